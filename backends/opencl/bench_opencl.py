@@ -1,0 +1,94 @@
+"""Decode-attend benchmark of kvreg-opencl (not a test).
+
+    KVREG_DEVICE=0:0 python backends/opencl/bench_opencl.py [--rows 1024,4096,16384] [--mode f32|q8]
+
+32 Q heads / 8 KV heads, hd 128, one whole-layer attend per call on
+device-resident rows (the mirror is synced once; a decode step re-uses it).
+Prints ms per call and the effective K+V read bandwidth, and the same call
+on kvreg-numba's CPU kernel when that package is importable (the ratio is
+the claim: both measured in the same run, same data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from kvreg_opencl import config, device, kernels, mirror
+
+NQ, NKV, HD = 32, 8, 128
+_GEN = itertools.count(10**9)
+
+
+def make_storage(rows: int, mode: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    st = SimpleNamespace(generation=next(_GEN), edits=0, lens=np.full(NKV, rows, np.int64),
+                         k=None, kq=None, ks=None, v=None, vq=None, vs=None,
+                         kcol=np.ones((NKV, HD), np.float32), vcol=np.ones((NKV, HD), np.float32),
+                         kcol_set=np.zeros(NKV, bool), vcol_set=np.zeros(NKV, bool))
+    if mode == "f32":
+        st.k = rng.standard_normal((NKV, rows, HD), dtype=np.float32)
+        st.v = rng.standard_normal((NKV, rows, HD), dtype=np.float32)
+    else:
+        st.kq = rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8)
+        st.ks = rng.random((NKV, rows, HD // 32), dtype=np.float32) * 0.02
+        st.vq = rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8)
+        st.vs = rng.random((NKV, rows), dtype=np.float32) * 0.02
+    st.edit_floor = lambda since: st.lens.copy()
+    return st
+
+
+def kv_bytes(st) -> int:
+    return sum(a.nbytes for a in (st.k, st.kq, st.ks, st.v, st.vq, st.vs) if a is not None)
+
+
+def timeit(fn, reps: int) -> float:
+    fn()  # warm-up (builds, JIT)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1024,4096,16384")
+    ap.add_argument("--mode", default="f32", choices=("f32", "q8"))
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-numba", action="store_true")
+    a = ap.parse_args(argv)
+    dev = device.get_device()
+    print(f"device {dev}  BLOCK_ROWS={config.BLOCK_ROWS} LOCAL_SIZE={config.LOCAL_SIZE}")
+    try:
+        if a.no_numba:
+            raise ImportError
+        from kvreg_numba import kernels as nk
+    except Exception:
+        nk = None
+    q = np.random.default_rng(1).standard_normal((NQ, HD), dtype=np.float32)
+    scale = 1.0 / np.sqrt(HD)
+    for rows in [int(r) for r in a.rows.split(",")]:
+        st = make_storage(rows, a.mode)
+        m = mirror.DeviceMirror(dev)
+        m.sync(st)
+        nbytes = kv_bytes(st)
+        t_cl = timeit(lambda: kernels.attend_layer(m, q, lens=st.lens, scale=scale), a.reps)
+        line = f"{a.mode} rows={rows:6d}  opencl {t_cl*1e3:8.3f} ms {nbytes/t_cl/1e9:6.2f} GB/s"
+        if nk is not None:
+            kw = {n: getattr(st, n) for n in ("k", "kq", "ks", "kcol", "kcol_set", "v", "vq", "vs", "vcol", "vcol_set")}
+            t_nb = timeit(lambda: nk.attend_layer(q, st.lens, scale=scale, **kw), a.reps)
+            o_cl, _ = kernels.attend_layer(m, q, lens=st.lens, scale=scale)
+            o_nb = nk.attend_layer(q, st.lens, scale=scale, **kw)
+            rel = float(np.abs(o_cl - o_nb).max() / np.abs(o_nb).max())
+            line += f"  numba {t_nb*1e3:8.3f} ms {nbytes/t_nb/1e9:6.2f} GB/s  opencl/numba {t_cl/t_nb:5.2f}x  maxrel {rel:.1e}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

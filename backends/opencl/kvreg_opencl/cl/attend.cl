@@ -1,0 +1,294 @@
+/* Decode / chunk attention over a layer's device-resident rows
+ * ("flash-decoding": rows split across work-groups, partial softmax states
+ * merged afterwards in a fixed order).
+ *
+ * Launch geometry (see kvreg_opencl/kernels.py):
+ *   dim 0: nblk work-groups of L work-items; block b covers the rows
+ *          [first + b*br, first + (b+1)*br) of its KV head.  The grid is
+ *          anchored at `first`, so a windowed call, a trimmed layer and an
+ *          `upto` call see the same blocks as the call they must equal.
+ *   dim 1: (KV group of the launch) x (chunk of at most `hc` Q heads)
+ *   dim 2: query token t (1 for decode, b for a prefill chunk)
+ * Every Q head's arithmetic reads only its own q row and the shared K/V
+ * rows, so the bits of a head do not depend on which heads share its
+ * work-group (grouped == per-head, layer == per-group). */
+#include "common.h"
+
+/* Q heads per work-group, fixed at build time (config.HEADS_PER_WG):
+ * private accumulator arrays need a constant size. */
+#ifndef KVREG_HC
+#define KVREG_HC 8
+#endif
+
+#define KV_ARGS                                                               \
+    __global const float *q,        /* [T, nq, hd], nq = ng * hpk         */ \
+    __global const float *k,        /* [nkv, cap, hd]   (f32 K)           */ \
+    __global const char *kq,        /* [nkv, cap, hd]   (q8 K)            */ \
+    __global const float *ks,       /* [nkv, cap, ngk]                    */ \
+    __global const float *kcol,     /* [nkv, hd] (ones when no field)     */ \
+    __global const float *v,        /* [nkv, cap, hd]   (f32 V)           */ \
+    __global const char *vq,        /* [nkv, cap, hd]   (q8 V)            */ \
+    __global const float *vs,       /* [nkv, cap]                         */ \
+    __global const int *nlim,       /* [T, ng] rows visible to token t    */ \
+    __global const int *firsts,     /* [T, ng] first visible row          */ \
+    const int g0, const int ng, const int cap, const int hd,                 \
+    const int hpk, const int hc, const int br, const int nblk,               \
+    const float scale, const float softcap,                                  \
+    __global float *pm,             /* [T, nq, nblk] block max            */ \
+    __global float *ps,             /* [T, nq, nblk] block sum of exp     */ \
+    __global float *pacc,           /* [T, nq, nblk, hd] block Σ e·v      */ \
+    __global float *scores,         /* [T, nq, sstride] capped scores     */ \
+    const int sstride, const int want_scores,                                \
+    __local float *qloc,            /* [hc * hd]                          */ \
+    __local float *sloc,            /* [hc * br]                          */ \
+    __local float *mloc             /* [hc]                               */
+
+#define KV_PASS q, k, kq, ks, kcol, v, vq, vs, nlim, firsts, g0, ng, cap, hd,  \
+    hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
+    want_scores, qloc, sloc, mloc
+
+inline float score_f32(__local const float *qh, __global const float *kr, const int hd)
+{
+    float dot;
+    if ((hd & 3) == 0) {
+        float4 a = (float4)(0.0f);
+        for (int d4 = 0; d4 < (hd >> 2); ++d4)
+            a += vload4(d4, qh) * vload4(d4, kr);
+        dot = kvreg_hsum4(a);
+    } else {
+        dot = 0.0f;
+        for (int d = 0; d < hd; ++d) dot += qh[d] * kr[d];
+    }
+    return dot;
+}
+
+/* Σ_groups ks[j] · ⟨q ⊙ col, kq[group j]⟩, int8 read as char16 pairs. */
+inline float score_q8(__local const float *qh, __global const char *kr,
+                      __global const float *ksr, const int hd)
+{
+    float dot = 0.0f;
+    for (int g0 = 0, j = 0; g0 < hd; g0 += KVREG_K_GROUP, ++j) {
+        float gd;
+        if (g0 + KVREG_K_GROUP <= hd) {
+            /* char16 loads, float8 arithmetic (8 lanes = one AVX register;
+             * float16 values would change the calling ABI on CPUs) */
+            const char16 c0 = vload16(0, kr + g0), c1 = vload16(0, kr + g0 + 16);
+            float8 a = vload8(0, qh + g0) * convert_float8(c0.lo);
+            a += vload8(1, qh + g0) * convert_float8(c0.hi);
+            a += vload8(2, qh + g0) * convert_float8(c1.lo);
+            a += vload8(3, qh + g0) * convert_float8(c1.hi);
+            gd = kvreg_hsum8(a);
+        } else {
+            gd = 0.0f;
+            for (int d = g0; d < hd; ++d) gd += qh[d] * (float)kr[d];
+        }
+        dot += gd * ksr[j];
+    }
+    return dot;
+}
+
+inline void partial_body(KV_ARGS, const int KQ, const int VQ)
+{
+    const int b = get_group_id(0);
+    const int L = get_local_size(0);
+    const int l = get_local_id(0);
+    const int nchunk = (hpk + hc - 1) / hc;
+    const int gl = get_global_id(1) / nchunk;       /* group within launch */
+    const int hbeg = (get_global_id(1) % nchunk) * hc;
+    const int hcnt = min(hc, hpk - hbeg);
+    const int t = get_global_id(2);
+    const int g = g0 + gl;
+    const int n = nlim[t * ng + gl];
+    const int first = firsts[t * ng + gl];
+    const int row0 = first + b * br;
+    if (row0 >= n) return;                /* uniform over the work-group */
+    const int rows = min(br, n - row0);
+    const int nq = ng * hpk;
+    const int qh0 = gl * hpk + hbeg;      /* first Q head of this chunk */
+    const int ngk = (hd + KVREG_K_GROUP - 1) / KVREG_K_GROUP;
+
+    for (int i = l; i < hcnt * hd; i += L) {
+        float x = q[((size_t)t * nq + qh0) * hd + i];
+        if (KQ) x *= kcol[(size_t)g * hd + i % hd];
+        qloc[i] = x;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* score pass: one row per work-item, every head of the chunk; the
+     * K row is read once for all of them (private accumulators). */
+    for (int r = l; r < rows; r += L) {
+        const size_t p = (size_t)g * cap + row0 + r;
+        float sc[KVREG_HC];
+        if (KQ) {
+            for (int h = 0; h < KVREG_HC; ++h)
+                if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
+        } else if ((hd & 7) == 0) {
+            __global const float *kr = k + p * hd;
+            float8 a[KVREG_HC];
+            for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
+            for (int d8 = 0; d8 < (hd >> 3); ++d8) {
+                const float8 kk = vload8(d8, kr);
+                for (int h = 0; h < KVREG_HC; ++h)
+                    if (h < hcnt) a[h] += vload8(d8, qloc + h * hd) * kk;
+            }
+            for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
+        } else {
+            for (int h = 0; h < KVREG_HC; ++h)
+                if (h < hcnt) sc[h] = score_f32(qloc + h * hd, k + p * hd, hd);
+        }
+        for (int h = 0; h < hcnt; ++h) {
+            float s = sc[h] * scale;
+            if (softcap > 0.0f) s = softcap * tanh(s / softcap);
+            sloc[h * br + r] = s;
+            if (want_scores)
+                scores[((size_t)t * nq + qh0 + h) * sstride + (row0 - first + r)] = s;
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (int h = l; h < hcnt; h += L) {
+        float m = -INFINITY;
+        for (int r = 0; r < rows; ++r) m = fmax(m, sloc[h * br + r]);
+        mloc[h] = m;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (int i = l; i < hcnt * rows; i += L) {
+        const int h = i / rows, r = i - h * rows;
+        const float m = mloc[h];
+        /* an all -inf block contributes nothing (not NaN) */
+        sloc[h * br + r] = (m == -INFINITY) ? 0.0f : exp(sloc[h * br + r] - m);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (int h = l; h < hcnt; h += L) {
+        float sum = 0.0f;
+        for (int r = 0; r < rows; ++r) sum += sloc[h * br + r];
+        const size_t o = ((size_t)t * nq + qh0 + h) * nblk + b;
+        pm[o] = mloc[h];
+        ps[o] = sum;
+    }
+
+    /* value pass: 8-channel slices across work-items, rows in order, the
+     * V row read once for every head of the chunk */
+    const int vec = ((hd & 7) == 0) ? 8 : 1;
+    for (int dv = l; dv < hd / vec; dv += L) {
+        float8 acc[KVREG_HC];
+        for (int h = 0; h < KVREG_HC; ++h) acc[h] = (float8)(0.0f);
+        for (int r = 0; r < rows; ++r) {
+            const size_t p = (size_t)g * cap + row0 + r;
+            float8 vv;
+            float ws = 1.0f;
+            if (vec == 8) {
+                if (VQ) vv = convert_float8(vload8(dv, vq + p * hd));
+                else    vv = vload8(dv, v + p * hd);
+            } else {
+                vv = (float8)(VQ ? (float)vq[p * hd + dv] : v[p * hd + dv]);
+            }
+            if (VQ) ws = vs[p];
+            for (int h = 0; h < KVREG_HC; ++h)
+                if (h < hcnt) acc[h] += (VQ ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
+        }
+        for (int h = 0; h < hcnt; ++h) {
+            __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
+            if (vec == 8) vstore8(acc[h], dv, o);
+            else o[dv] = acc[h].s0;
+        }
+    }
+}
+
+__kernel void partial_kf_vf(KV_ARGS) { partial_body(KV_PASS, 0, 0); }
+__kernel void partial_kq_vf(KV_ARGS) { partial_body(KV_PASS, 1, 0); }
+__kernel void partial_kf_vq(KV_ARGS) { partial_body(KV_PASS, 0, 1); }
+__kernel void partial_kq_vq(KV_ARGS) { partial_body(KV_PASS, 1, 1); }
+
+/* Merge the partial states of every block, in block order (fixed, so the
+ * answer is deterministic).  One work-item per (channel, Q head, token). */
+__kernel void merge(__global const float *pm, __global const float *ps,
+                    __global const float *pacc,
+                    __global const int *nlim, __global const int *firsts,
+                    __global const float *sinks,     /* [nq] */
+                    const int has_sinks,
+                    __global const float *vcol,      /* [nkv, hd] */
+                    const int use_vcol,
+                    const int g0, const int ng, const int hd, const int hpk,
+                    const int br, const int nblk,
+                    __global float *out,             /* [T, nq, hd] */
+                    __global float *mz)              /* [T, nq, 2] */
+{
+    const int d = get_global_id(0);
+    const int qh = get_global_id(1);
+    const int t = get_global_id(2);
+    if (d >= hd) return;
+    const int nq = ng * hpk;
+    const int gl = qh / hpk;
+    const int n = nlim[t * ng + gl];
+    const int first = firsts[t * ng + gl];
+    const size_t o = ((size_t)t * nq + qh);
+    if (n <= 0) {
+        out[o * hd + d] = 0.0f;
+        if (d == 0) { mz[2 * o] = -INFINITY; mz[2 * o + 1] = 0.0f; }
+        return;
+    }
+    const int nb = (n - first + br - 1) / br;
+    float m = -INFINITY;
+    for (int b = 0; b < nb; ++b) m = fmax(m, pm[o * nblk + b]);
+    if (has_sinks) m = fmax(m, sinks[qh]);
+    float z = 0.0f, acc = 0.0f;
+    if (m != -INFINITY) {
+        for (int b = 0; b < nb; ++b) {
+            const float mb = pm[o * nblk + b];
+            if (mb == -INFINITY) continue;
+            const float f = exp(mb - m);
+            z += ps[o * nblk + b] * f;
+            acc += pacc[(o * nblk + b) * hd + d] * f;
+        }
+        /* the sink joins the denominator last, as in the seed */
+        if (has_sinks) z += exp(sinks[qh] - m);
+    }
+    float r = (z > 0.0f) ? acc / z : 0.0f;
+    if (use_vcol) r *= vcol[(size_t)(g0 + gl) * hd + d];
+    out[o * hd + d] = r;
+    if (d == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
+}
+
+/* Capped scores -> probabilities, in place.  One work-item per (row, head, token). */
+__kernel void probs(__global float *scores, __global const float *mz,
+                    __global const int *nlim, __global const int *firsts,
+                    const int ng, const int hpk, const int sstride)
+{
+    const int pr = get_global_id(0);
+    const int qh = get_global_id(1);
+    const int t = get_global_id(2);
+    const int nq = ng * hpk;
+    const int gl = qh / hpk;
+    const int span = nlim[t * ng + gl] - firsts[t * ng + gl];
+    if (pr >= span) return;
+    const size_t o = (size_t)t * nq + qh;
+    const float m = mz[2 * o], z = mz[2 * o + 1];
+    const size_t i = o * sstride + pr;
+    scores[i] = (z > 0.0f) ? exp(scores[i] - m) / z : 0.0f;
+}
+
+/* imp[p] += prob[t, h, p] for every token and head, added one at a time in
+ * (token, head) order: the same sequence of float additions as the seed's
+ * per-head loop, so per-head and grouped calls accumulate the same bits. */
+__kernel void importance(__global float *imp, const int imp_len,
+                         __global const float *prob,
+                         __global const int *nlim, __global const int *firsts,
+                         const int T, const int ng, const int hpk, const int sstride)
+{
+    const int p = get_global_id(0);
+    if (p >= imp_len) return;
+    const int nq = ng * hpk;
+    float acc = imp[p];
+    for (int t = 0; t < T; ++t) {
+        for (int qh = 0; qh < nq; ++qh) {
+            const int gl = qh / hpk;
+            const int f = firsts[t * ng + gl];
+            if (p < f || p >= nlim[t * ng + gl]) continue;
+            acc += prob[((size_t)t * nq + qh) * sstride + (p - f)];
+        }
+    }
+    imp[p] = acc;
+}

@@ -1,0 +1,17 @@
+/* Shared definitions of the kvreg OpenCL kernels (reached with -I <cl dir>).
+ *
+ * Everything is float32 and needs no extension (no fp16, no fp64), so the
+ * same sources build on any OpenCL 1.2 device, PoCL's CPU device included. */
+#ifndef KVREG_COMMON_H
+#define KVREG_COMMON_H
+
+/* q8 keys carry one scale per group of this many channels (seed KV_K_GROUP). */
+#define KVREG_K_GROUP 32
+
+/* Horizontal sums in a fixed lane order: every caller gets the same bits for
+ * the same inputs, whatever work-item or work-group runs them. */
+inline float kvreg_hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
+
+inline float kvreg_hsum8(float8 a) { return kvreg_hsum4(a.lo + a.hi); }
+
+#endif

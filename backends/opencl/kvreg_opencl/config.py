@@ -1,0 +1,44 @@
+"""Tunables of the OpenCL backend, in one place.
+
+Tests shrink these (``monkeypatch.setattr(config, "BLOCK_ROWS", 8)``) so the
+multi-block and multi-chunk paths run on tiny inputs. Each is read at launch
+time, never cached at import.
+
+Bit-for-bit invariants (grouped == per-head, window == masked, trimmed ==
+untrimmed, upto == sequential) hold for ANY values here as long as they stay
+fixed between the calls being compared: the block grid depends on these and
+on the visible span only, never on the head count or the row offset.
+"""
+
+from __future__ import annotations
+
+#: Work-items per work-group of the attend kernels (dim 0); None = by device
+#: kind (below). PoCL runs a work-group as a loop on one core, so a CPU wants
+#: few work-items; a GPU wants at least a warp/wavefront.
+LOCAL_SIZE: int | None = None
+LOCAL_SIZE_CPU = 16
+LOCAL_SIZE_GPU = 64
+
+#: Rows of one KV head per work-group ("flash-decoding" block). The scores of
+#: a block live in local memory: HEADS_PER_WG * BLOCK_ROWS * 4 bytes.
+BLOCK_ROWS = 512
+
+#: Q heads of one KV group that share a work-group (and one read of the K
+#: block). A group with more heads is split into chunks of this size. A
+#: build-time constant of the attend program (private accumulator arrays).
+HEADS_PER_WG = 8
+
+#: Prefill (`attend_chunk`): query tokens per launch, bounding the scratch
+#: buffers (partials, and scores when importance is requested).
+CHUNK_TOKENS = 64
+
+#: Device row capacity of a fresh mirror; grows by doubling on the device.
+MIRROR_MIN_ROWS = 256
+
+#: Build options of the attention program. The attention kernels are
+#: tolerance class, but no fast-math here either: exp/tanh of large scores
+#: and -inf handling must stay IEEE.
+ATTEND_OPTIONS: tuple[str, ...] = ()
+
+#: Build options of the quantize program (exact class: IEEE division).
+QUANT_OPTIONS: tuple[str, ...] = ("-cl-fp32-correctly-rounded-divide-sqrt",)

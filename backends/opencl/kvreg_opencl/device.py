@@ -1,0 +1,193 @@
+"""Which OpenCL device kvreg uses, chosen lazily.
+
+Order: ``KVREG_DEVICE`` (``"platform:device"`` indices such as ``0:0``, or a
+case-insensitive substring of the device or platform name), else pyopencl's
+own ``PYOPENCL_CTX`` convention (same ``p:d`` form), else the first GPU, else
+the first CPU device. Importing this module touches no OpenCL state; the
+context and queue are made on first use and then reused.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+from kvreg.errors import BackendError, ConfigError
+
+INSTALL_HINT = (
+    "install an OpenCL driver: `pip install pocl-binary-distribution` for the "
+    "CPU (PoCL), or your GPU vendor's OpenCL ICD (NVIDIA driver, ROCm, Intel "
+    "compute-runtime)"
+)
+
+_lock = threading.Lock()
+_state: "DeviceState | None" = None
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One OpenCL device as ``kvreg info`` lists it."""
+
+    platform_index: int
+    device_index: int
+    platform: str
+    name: str
+    kind: str  # "GPU", "CPU", "ACCELERATOR", "OTHER"
+    compute_units: int
+    global_mem_bytes: int
+    local_mem_bytes: int
+    correctly_rounded_div_sqrt: bool
+
+    @property
+    def selector(self) -> str:
+        return f"{self.platform_index}:{self.device_index}"
+
+
+def _cl():
+    try:
+        import pyopencl as cl
+    except Exception as exc:  # ImportError, or a broken ICD loader
+        raise BackendError(f"kvreg-opencl: cannot import pyopencl ({exc}); pip install pyopencl, then {INSTALL_HINT}") from exc
+    return cl
+
+
+def _platforms(cl):
+    try:
+        plats = cl.get_platforms()
+    except Exception as exc:  # pyopencl raises LogicError on "no platforms"
+        raise BackendError(f"kvreg-opencl: no OpenCL platform found ({exc}); {INSTALL_HINT}") from exc
+    if not plats:
+        raise BackendError(f"kvreg-opencl: no OpenCL platform found; {INSTALL_HINT}")
+    return plats
+
+
+def _kind(cl, dtype: int) -> str:
+    if dtype & cl.device_type.GPU:
+        return "GPU"
+    if dtype & cl.device_type.CPU:
+        return "CPU"
+    if dtype & cl.device_type.ACCELERATOR:
+        return "ACCELERATOR"
+    return "OTHER"
+
+
+def _info(cl, pi, di, plat, dev) -> DeviceInfo:
+    return DeviceInfo(
+        platform_index=pi,
+        device_index=di,
+        platform=plat.name.strip(),
+        name=dev.name.strip(),
+        kind=_kind(cl, dev.type),
+        compute_units=int(dev.max_compute_units),
+        global_mem_bytes=int(dev.global_mem_size),
+        local_mem_bytes=int(dev.local_mem_size),
+        correctly_rounded_div_sqrt=supports_exact_division(cl, dev),
+    )
+
+
+def supports_exact_division(cl, dev) -> bool:
+    """True when the device can build the exact-class quantize kernel:
+    correctly rounded float32 divide (the build option), round-to-nearest
+    and denormals (a flushed subnormal quotient would change the bits)."""
+    cfg = int(dev.single_fp_config)
+    fpc = cl.device_fp_config
+    need = fpc.CORRECTLY_ROUNDED_DIVIDE_SQRT | fpc.ROUND_TO_NEAREST | fpc.DENORM
+    return (cfg & need) == need
+
+
+def _enumerate(cl):
+    out = []
+    for pi, plat in enumerate(_platforms(cl)):
+        try:
+            devs = plat.get_devices()
+        except Exception:  # a platform with no device of any type
+            devs = []
+        for di, dev in enumerate(devs):
+            out.append((pi, di, plat, dev))
+    if not out:
+        raise BackendError(f"kvreg-opencl: OpenCL platforms exist but expose no device; {INSTALL_HINT}")
+    return out
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Every OpenCL device, in platform/device index order (no context made)."""
+    cl = _cl()
+    return [_info(cl, pi, di, plat, dev) for pi, di, plat, dev in _enumerate(cl)]
+
+
+def parse_selector(text: str) -> tuple[int, int] | str:
+    """``"1:0"`` -> (1, 0); ``"2"`` -> (2, 0) (pyopencl's form); anything
+    else is a name substring (stripped, lower-cased)."""
+    s = text.strip()
+    if not s:
+        raise ConfigError("empty OpenCL device selector")
+    parts = s.split(":")
+    if all(p.strip().isdigit() for p in parts) and 1 <= len(parts) <= 2:
+        pi = int(parts[0])
+        di = int(parts[1]) if len(parts) == 2 else 0
+        return (pi, di)
+    return s.lower()
+
+
+def choose(entries, kvreg_device: str | None, pyopencl_ctx: str | None, cl_module=None):
+    """Pick one of ``entries`` [(pi, di, platform, device)] by the rules in the
+    module docstring. Pure apart from reading names and types, so tests can
+    feed it fake platforms."""
+    for var, value in (("KVREG_DEVICE", kvreg_device), ("PYOPENCL_CTX", pyopencl_ctx)):
+        if value is None or value.strip() == "":
+            continue
+        sel = parse_selector(value)
+        if isinstance(sel, tuple):
+            for e in entries:
+                if (e[0], e[1]) == sel:
+                    return e
+        else:
+            for e in entries:
+                if sel in e[3].name.lower() or sel in e[2].name.lower():
+                    return e
+        have = ", ".join(f"{e[0]}:{e[1]} {e[3].name.strip()}" for e in entries)
+        raise ConfigError(f"{var}={value!r} matches no OpenCL device; available: {have}")
+    for want in ("GPU", "CPU"):
+        for e in entries:
+            if _kind(cl_module, e[3].type) == want:
+                return e
+    return entries[0]
+
+
+class DeviceState:
+    """The chosen device with its context and in-order queue."""
+
+    def __init__(self, cl, pi, di, plat, dev):
+        self.cl = cl
+        self.device = dev
+        self.info = _info(cl, pi, di, plat, dev)
+        self.context = cl.Context([dev])
+        self.queue = cl.CommandQueue(self.context)
+
+    def __repr__(self) -> str:
+        i = self.info
+        return f"<OpenCL {i.selector} {i.name!r} ({i.kind}, {i.platform})>"
+
+
+def get_device() -> DeviceState:
+    """The process-wide device state, created on the first call."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is None:
+            cl = _cl()
+            e = choose(_enumerate(cl), os.environ.get("KVREG_DEVICE"), os.environ.get("PYOPENCL_CTX"), cl)
+            try:
+                _state = DeviceState(cl, *e)
+            except Exception as exc:
+                raise BackendError(f"kvreg-opencl: cannot open {e[3].name.strip()!r}: {exc}; {INSTALL_HINT}") from exc
+    return _state
+
+
+def reset_device() -> None:
+    """Forget the chosen device (tests; a changed KVREG_DEVICE)."""
+    global _state
+    with _lock:
+        _state = None

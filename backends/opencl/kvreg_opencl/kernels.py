@@ -1,0 +1,248 @@
+"""Host drivers of the OpenCL kernels: argument preparation and launches.
+
+These are plain functions over a synced :class:`~kvreg_opencl.mirror.DeviceMirror`
+so they can be tested before (and independently of) the core's backend ABC;
+:mod:`kvreg_opencl.backend` adapts them to ``kvreg.backend``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvreg.errors import ShapeError
+
+from . import config, programs
+from .device import DeviceState
+from .mirror import DeviceMirror
+
+_VARIANT = {(False, False): "partial_kf_vf", (True, False): "partial_kq_vf",
+            (False, True): "partial_kf_vq", (True, True): "partial_kq_vq"}
+
+
+class _Scratch:
+    """Per-device scratch buffers, grown on demand and reused across calls."""
+
+    def __init__(self, dev: DeviceState):
+        self.dev = dev
+        self.bufs: dict[str, tuple[int, object]] = {}
+        cl = dev.cl
+        self.dummy = cl.Buffer(dev.context, cl.mem_flags.READ_WRITE, 64)
+
+    def get(self, name: str, nbytes: int):
+        have = self.bufs.get(name)
+        if have is not None and have[0] >= nbytes:
+            return have[1]
+        size = max(64, 1 << max(0, nbytes - 1).bit_length())
+        buf = self.dev.cl.Buffer(self.dev.context, self.dev.cl.mem_flags.READ_WRITE, size)
+        self.bufs[name] = (size, buf)
+        return buf
+
+    def put(self, name: str, arr: np.ndarray):
+        buf = self.get(name, arr.nbytes)
+        if arr.nbytes:
+            self.dev.cl.enqueue_copy(self.dev.queue, buf, arr, is_blocking=False)
+        return buf
+
+
+_scratch: dict[int, _Scratch] = {}
+
+
+def scratch(dev: DeviceState) -> _Scratch:
+    s = _scratch.get(dev.device.int_ptr)
+    if s is None:
+        s = _scratch[dev.device.int_ptr] = _Scratch(dev)
+    return s
+
+
+def _local_size(kernel, dev: DeviceState) -> int:
+    wg = kernel.get_work_group_info(dev.cl.kernel_work_group_info.WORK_GROUP_SIZE, dev.device)
+    want = config.LOCAL_SIZE
+    if want is None:
+        want = config.LOCAL_SIZE_GPU if dev.info.kind == "GPU" else config.LOCAL_SIZE_CPU
+    return max(1, min(int(want), int(wg)))
+
+
+def attend_rows(
+    mirror: DeviceMirror,
+    q: np.ndarray,
+    *,
+    g0: int,
+    hpk: int,
+    nlim: np.ndarray,
+    firsts: np.ndarray,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: np.ndarray | None = None,
+    imp: np.ndarray | None = None,
+    want_probs: bool = False,
+):
+    """Attend ``T`` query tokens to KV groups ``[g0, g0 + ng)`` of a synced mirror.
+
+    ``q``: ``[T, ng*hpk, hd]`` float32; ``nlim``/``firsts``: ``[T, ng]`` the
+    visible rows ``[firsts, nlim)`` of each group for each token (``firsts``
+    already clamped to ``nlim - 1``; ``nlim == 0`` gives zeros). ``sinks``:
+    ``[ng*hpk]``. ``imp`` (float32, updated in place): ``imp[p] +=`` the
+    probabilities of every token and head, in that order. Returns ``out``
+    ``[T, ng*hpk, hd]`` and, with ``want_probs``, ``probs`` ``[T, ng*hpk,
+    span_max]`` (row ``p`` of a group at column ``p - firsts``).
+    """
+    dev = mirror.dev
+    cl = dev.cl
+    T, nq, hd = q.shape
+    ng = nq // hpk
+    nlim = np.ascontiguousarray(nlim, dtype=np.int32).reshape(T, ng)
+    firsts = np.ascontiguousarray(firsts, dtype=np.int32).reshape(T, ng)
+    spans = np.where(nlim > 0, nlim - firsts, 0)
+    smax = int(spans.max(initial=0))
+    br = int(config.BLOCK_ROWS)
+    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
+    nchunk = -(-hpk // hc)
+    nblk = max(1, -(-smax // br))
+    prg = programs.attend_program(dev)
+    sc = scratch(dev)
+    queue = dev.queue
+
+    q_buf = sc.put("q", np.ascontiguousarray(q, dtype=np.float32))
+    nl_buf = sc.put("nlim", nlim)
+    fi_buf = sc.put("firsts", firsts)
+    pm = sc.get("pm", T * nq * nblk * 4)
+    ps = sc.get("ps", T * nq * nblk * 4)
+    pacc = sc.get("pacc", T * nq * nblk * hd * 4)
+    want_scores = bool(want_probs or imp is not None) and smax > 0
+    sstride = max(1, smax)
+    sc_buf = sc.get("scores", T * nq * sstride * 4) if want_scores else sc.dummy
+    b = mirror.buffers
+    d = sc.dummy
+    kcol = mirror.kcol if mirror.kcol is not None else d
+    vcol = mirror.vcol if mirror.vcol is not None else d
+
+    if smax > 0:
+        kern = programs.kernel(prg, _VARIANT[(mirror.k_quant, mirror.v_quant)])
+        L = _local_size(kern, dev)
+        kern(
+            queue, (nblk * L, ng * nchunk, T), (L, 1, 1),
+            q_buf, b.get("k", d), b.get("kq", d), b.get("ks", d), kcol,
+            b.get("v", d), b.get("vq", d), b.get("vs", d), nl_buf, fi_buf,
+            np.int32(g0), np.int32(ng), np.int32(mirror.cap), np.int32(hd),
+            np.int32(hpk), np.int32(hc), np.int32(br), np.int32(nblk),
+            np.float32(scale), np.float32(softcap),
+            pm, ps, pacc, sc_buf, np.int32(sstride), np.int32(want_scores),
+            cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
+        )
+    has_sinks = sinks is not None
+    sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(nq)) if has_sinks else d
+    out_buf = sc.get("out", T * nq * hd * 4)
+    mz = sc.get("mz", T * nq * 2 * 4)
+    programs.kernel(prg, "merge")(
+        queue, (hd, nq, T), None,
+        pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks),
+        vcol, np.int32(mirror.v_quant), np.int32(g0), np.int32(ng), np.int32(hd),
+        np.int32(hpk), np.int32(br), np.int32(nblk), out_buf, mz,
+    )
+    probs = None
+    if want_scores:
+        programs.kernel(prg, "probs")(queue, (sstride, nq, T), None, sc_buf, mz, nl_buf, fi_buf,
+                  np.int32(ng), np.int32(hpk), np.int32(sstride))
+        if imp is not None:
+            hi = min(len(imp), int(nlim.max(initial=0)))
+            if hi > 0:
+                host = np.ascontiguousarray(imp[:hi], dtype=np.float32)
+                ib = sc.put("imp", host)
+                programs.kernel(prg, "importance")(queue, (hi,), None, ib, np.int32(hi), sc_buf, nl_buf, fi_buf,
+                               np.int32(T), np.int32(ng), np.int32(hpk), np.int32(sstride))
+                cl.enqueue_copy(queue, host, ib)
+                imp[:hi] = host
+        if want_probs:
+            probs = np.empty((T, nq, sstride), dtype=np.float32)
+            cl.enqueue_copy(queue, probs, sc_buf)
+    elif want_probs:
+        probs = np.zeros((T, nq, 0), dtype=np.float32)
+    out = np.empty((T, nq, hd), dtype=np.float32)
+    cl.enqueue_copy(queue, out, out_buf)
+    return out, probs
+
+
+def visible(lens: np.ndarray, first, upto: int | None):
+    """(nlim, firsts) of one decode query: ``n = min(lens, upto)``,
+    ``first = min(first, n - 1)`` (0 for an empty head)."""
+    n = np.asarray(lens, dtype=np.int64)
+    if upto is not None:
+        n = np.minimum(n, int(upto))
+    f = np.broadcast_to(np.asarray(first, dtype=np.int64), n.shape)
+    f = np.where(n > 0, np.minimum(f, n - 1), 0)
+    return n, f
+
+
+def attend_layer(mirror: DeviceMirror, q: np.ndarray, *, lens, scale: float, first=0,
+                 softcap: float = 0.0, upto: int | None = None, sinks=None, imp=None,
+                 want_probs: bool = False, g0: int = 0, ng: int | None = None):
+    """Decode attend of ``q [ng*hpk, hd]`` against groups ``[g0, g0+ng)``."""
+    q = np.asarray(q, dtype=np.float32)
+    if q.ndim != 2 or q.shape[1] != mirror.hd:
+        raise ShapeError(f"q must be [heads, {mirror.hd}], got {q.shape}")
+    ng = mirror.nkv - g0 if ng is None else ng
+    if ng <= 0 or q.shape[0] % ng:
+        raise ShapeError(f"{q.shape[0]} query heads do not split over {ng} KV groups")
+    hpk = q.shape[0] // ng
+    n, f = visible(np.asarray(lens)[g0:g0 + ng], first, upto)
+    out, probs = attend_rows(mirror, q[None], g0=g0, hpk=hpk, nlim=n[None], firsts=f[None],
+                             scale=scale, softcap=softcap, sinks=sinks, imp=imp,
+                             want_probs=want_probs)
+    return out[0], (None if probs is None else probs[0])
+
+
+def attend_chunk(mirror: DeviceMirror, q: np.ndarray, *, lens, s0: int, hpk: int, scale: float,
+                 window: int | None = None, imp=None, softcap: float = 0.0, sinks=None):
+    """Causal prefill: ``q [b, nh, hd]`` for rows ``[s0, s0+b)`` (already
+    stored); token ``i`` sees rows ``[max(0, s0+i+1-window), s0+i+1)``."""
+    q = np.asarray(q, dtype=np.float32)
+    if q.ndim != 3 or q.shape[2] != mirror.hd or q.shape[1] % hpk:
+        raise ShapeError(f"q must be [b, nkv*hpk, {mirror.hd}], got {q.shape}")
+    bsz, nh, hd = q.shape
+    ng = nh // hpk
+    lens = np.asarray(lens, dtype=np.int64)[:ng]
+    out = np.empty((bsz, nh, hd), dtype=np.float32)
+    step = max(1, int(config.CHUNK_TOKENS))
+    for t0 in range(0, bsz, step):
+        t1 = min(bsz, t0 + step)
+        upto = s0 + np.arange(t0, t1, dtype=np.int64) + 1
+        n = np.minimum(lens[None, :], upto[:, None])
+        lo = np.zeros_like(upto) if window is None else np.maximum(0, upto - int(window))
+        f = np.where(n > 0, np.minimum(lo[:, None], n - 1), 0)
+        o, _ = attend_rows(mirror, q[t0:t1], g0=0, hpk=hpk, nlim=n, firsts=f, scale=scale,
+                           softcap=softcap, sinks=sinks, imp=imp)
+        out[t0:t1] = o
+    return out
+
+
+def quantize_rows(dev: DeviceState, x: np.ndarray, col: np.ndarray | None, group: int):
+    """Exact-class q8 quantize of ``x [n, hd]`` (docs/kernels.md)."""
+    cl = dev.cl
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2:
+        raise ShapeError(f"x must be [n, hd], got {x.shape}")
+    n, hd = x.shape
+    if group <= 0:
+        raise ShapeError(f"group must be positive, got {group}")
+    ngr = -(-hd // group)
+    qh = np.empty((n, hd), dtype=np.int8)
+    sh = np.empty((n, ngr), dtype=np.float32)
+    if n == 0 or hd == 0:
+        return qh, sh
+    prg = programs.quant_program(dev)
+    sc = scratch(dev)
+    use_col = col is not None
+    if use_col:
+        col = np.ascontiguousarray(col, dtype=np.float32)
+        if col.shape not in ((hd,), (n, hd)):
+            raise ShapeError(f"col must be [{hd}] or [{n}, {hd}], got {col.shape}")
+    xb = sc.put("qx", x)
+    cb = sc.put("qcol", col) if use_col else sc.dummy
+    qb = sc.get("qq", qh.nbytes)
+    sb = sc.get("qs", sh.nbytes)
+    programs.kernel(prg, "quantize_rows")(dev.queue, (ngr, n), None, xb, cb, np.int32(use_col),
+                      np.int32(hd if use_col and col.ndim == 2 else 0), np.int32(n),
+                      np.int32(hd), np.int32(group), qb, sb)
+    cl.enqueue_copy(dev.queue, qh, qb)
+    cl.enqueue_copy(dev.queue, sh, sb)
+    return qh, sh

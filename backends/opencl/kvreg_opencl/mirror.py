@@ -1,0 +1,215 @@
+"""Device mirrors: a layer's rows kept on the device between calls.
+
+A mirror copies the storage arrays of docs/kernels.md (``k``/``kq``/``ks``,
+``v``/``vq``/``vs`` as ``[nkv, cap, ...]``, the fields ``kcol``/``vcol``) into
+device buffers of its own capacity and remembers what it holds:
+
+* ``generation`` -- the seed's storage generation. Every mutation other than
+  append and truncate_last (clear, trim, evict, gather, wire import) takes a
+  fresh value, so a changed generation means "different rows": full upload.
+* ``edits`` + the mirrored lens per head -- ``truncate_last`` KEEPS the
+  generation, and truncating 5 rows then appending 5 new ones gives back the
+  same (generation, rows). The storage counts truncations in ``edits`` and
+  ``edit_floor(since)`` gives, per head, the lowest length any truncation
+  after edit ``since`` reached; rows from there on are re-uploaded. ``None``
+  (history gone) means a full upload.
+* the fields' set-state -- freezing the q8 field requantizes every stored row
+  in place during an append, with neither a new generation nor a truncation;
+  the flip of ``kcol_set``/``vcol_set`` is what reveals it (full upload).
+
+So a decode step uploads only the appended row of each head, which the
+counters (``bytes_uploaded``, ``rows_uploaded``, ``partial_uploads``,
+``full_reuploads``) let a test prove.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvreg.errors import ShapeError
+
+from . import config
+from .device import DeviceState
+
+ROW_ARRAYS = ("k", "kq", "ks", "v", "vq", "vs")
+
+
+def _present(storage, name):
+    a = getattr(storage, name, None)
+    return None if a is None else np.asarray(a)
+
+
+class DeviceMirror:
+    """Device copy of one layer storage. Call :meth:`sync` before a launch."""
+
+    def __init__(self, dev: DeviceState):
+        self.dev = dev
+        self.buffers: dict[str, object] = {}
+        self.row_shapes: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.cap = 0
+        self.nkv = 0
+        self.hd = 0
+        self.generation = None
+        self.edits = None
+        self.field_state = None
+        self.lens = np.zeros(0, dtype=np.int64)
+        self.kcol = None  # device buffers [nkv, hd], ones where unset
+        self.vcol = None
+        self.bytes_uploaded = 0
+        self.rows_uploaded = 0  # head-rows
+        self.full_reuploads = 0
+        self.partial_uploads = 0
+        self.syncs = 0
+
+    # -- helpers -----------------------------------------------------------
+    @property
+    def k_quant(self) -> bool:
+        return "kq" in self.buffers
+
+    @property
+    def v_quant(self) -> bool:
+        return "vq" in self.buffers
+
+    def _layout(self, storage):
+        shapes = {}
+        for name in ROW_ARRAYS:
+            a = _present(storage, name)
+            if a is not None:
+                shapes[name] = (tuple(a.shape[2:]), a.dtype)
+        return shapes
+
+    def _alloc(self, cap: int, keep_rows: np.ndarray | None):
+        """(Re)allocate every row buffer at ``cap`` rows per head, copying the
+        first ``keep_rows[h]`` rows of each head on the device."""
+        cl = self.dev.cl
+        new = {}
+        for name, (rshape, dt) in self.row_shapes.items():
+            rb = int(np.prod(rshape, dtype=np.int64)) * dt.itemsize
+            buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_WRITE, max(1, self.nkv * cap * rb))
+            old = self.buffers.get(name)
+            if old is not None and keep_rows is not None and self.nkv:
+                keep = int(keep_rows.max(initial=0))
+                if keep > 0:
+                    cl.enqueue_copy(
+                        self.dev.queue, buf, old,
+                        src_origin=(0, 0, 0), dst_origin=(0, 0, 0),
+                        region=(keep * rb, self.nkv, 1),
+                        src_pitches=(self.cap * rb, self.cap * rb * self.nkv),
+                        dst_pitches=(cap * rb, cap * rb * self.nkv),
+                    )
+            new[name] = buf
+        self.buffers = new
+        self.cap = cap
+
+    def _upload_fields(self, storage):
+        cl = self.dev.cl
+        for attr, flag in (("kcol", "kcol_set"), ("vcol", "vcol_set")):
+            col = _present(storage, attr)
+            if col is None:
+                setattr(self, attr, None)
+                continue
+            isset = np.asarray(getattr(storage, flag), dtype=bool).reshape(self.nkv, 1)
+            host = np.where(isset, col.reshape(self.nkv, self.hd), np.float32(1.0)).astype(np.float32)
+            buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
+            setattr(self, attr, buf)
+
+    def _upload_rows(self, storage, lo: np.ndarray, hi: np.ndarray):
+        """Copy rows [lo[h], hi[h]) of every head; consecutive heads with the
+        same range go in one rectangular copy."""
+        cl = self.dev.cl
+        h = 0
+        moved = 0
+        while h < self.nkv:
+            if hi[h] <= lo[h]:
+                h += 1
+                continue
+            e = h + 1
+            while e < self.nkv and lo[e] == lo[h] and hi[e] == hi[h]:
+                e += 1
+            a, b = int(lo[h]), int(hi[h])
+            for name, (rshape, dt) in self.row_shapes.items():
+                host = np.asarray(getattr(storage, name))
+                rb = int(np.prod(rshape, dtype=np.int64)) * dt.itemsize
+                if host.flags.c_contiguous:
+                    # straight from the storage block: no host-side copy
+                    hcap = host.shape[1]
+                    src, horig, hp = host, (a * rb, h, 0), (hcap * rb, hcap * rb * host.shape[0])
+                else:
+                    src = np.ascontiguousarray(host[h:e, a:b])
+                    horig, hp = (0, 0, 0), ((b - a) * rb, (b - a) * rb * (e - h))
+                cl.enqueue_copy(
+                    self.dev.queue, self.buffers[name], src,
+                    buffer_origin=(a * rb, h, 0), host_origin=horig,
+                    region=((b - a) * rb, e - h, 1),
+                    buffer_pitches=(self.cap * rb, self.cap * rb * self.nkv),
+                    host_pitches=hp,
+                )
+                self.bytes_uploaded += (b - a) * rb * (e - h)
+            moved += (b - a) * (e - h)
+            h = e
+        self.rows_uploaded += moved
+        return moved
+
+    # -- the one entry point ----------------------------------------------
+    def sync(self, storage) -> None:
+        lens = np.asarray(storage.lens, dtype=np.int64)
+        layout = self._layout(storage)
+        if not layout:
+            raise ShapeError("kvreg-opencl: storage has neither f32 nor q8 K/V arrays")
+        some = next(iter(layout))
+        nkv = int(np.asarray(getattr(storage, some)).shape[0])
+        hd = int(np.asarray(getattr(storage, "k" if "k" in layout else "kq")).shape[2])
+        fstate = tuple(
+            tuple(bool(x) for x in np.asarray(getattr(storage, f, ()), dtype=bool).ravel())
+            for f in ("kcol_set", "vcol_set")
+        )
+        gen = storage.generation
+        edits = getattr(storage, "edits", 0)
+        self.syncs += 1
+
+        full = (
+            gen != self.generation
+            or layout != self.row_shapes
+            or nkv != self.nkv
+            or hd != self.hd
+            or fstate != self.field_state
+        )
+        if not full:
+            valid = np.minimum(self.lens, lens)
+            if edits != self.edits:
+                floor = storage.edit_floor(self.edits)
+                if floor is None:
+                    full = True
+                else:
+                    valid = np.minimum(valid, np.asarray(floor, dtype=np.int64))
+        need = int(lens.max(initial=0))
+        if full:
+            self.row_shapes = layout
+            self.nkv, self.hd = nkv, hd
+            self.buffers = {}
+            cap = max(config.MIRROR_MIN_ROWS, 1 << max(0, need - 1).bit_length())
+            self._alloc(cap, None)
+            self._upload_fields(storage)
+            self._upload_rows(storage, np.zeros(nkv, dtype=np.int64), lens)
+            self.full_reuploads += 1
+        else:
+            if need > self.cap:
+                cap = self.cap
+                while cap < need:
+                    cap *= 2
+                self._alloc(cap, valid)
+            if self._upload_rows(storage, valid, lens):
+                self.partial_uploads += 1
+        self.generation = gen
+        self.edits = edits
+        self.field_state = fstate
+        self.lens = lens.copy()
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "bytes_uploaded": self.bytes_uploaded,
+            "rows_uploaded": self.rows_uploaded,
+            "full_reuploads": self.full_reuploads,
+            "partial_uploads": self.partial_uploads,
+            "syncs": self.syncs,
+        }

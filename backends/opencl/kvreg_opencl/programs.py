@@ -1,0 +1,82 @@
+"""Build-once cache of the backend's OpenCL programs.
+
+Sources are the ``.cl`` files of ``kvreg_opencl/cl``; shared definitions sit
+in ``cl/common.h``, reached with ``-I <cl dir>``. A program is built once per
+(source, options, device) per process; pyopencl and PoCL keep their own
+on-disk caches underneath, which is what makes a second test run fast.
+"""
+
+from __future__ import annotations
+
+import threading
+from importlib import resources
+from pathlib import Path
+
+from kvreg.errors import BackendError
+
+from . import config
+from .device import DeviceState
+
+CL_DIR = Path(str(resources.files("kvreg_opencl") / "cl"))
+
+_cache: dict[tuple, object] = {}
+_lock = threading.Lock()
+
+
+def source(name: str) -> str:
+    return (CL_DIR / name).read_text()
+
+
+def build(dev: DeviceState, name: str, options: tuple[str, ...] = ()):
+    """The built ``pyopencl.Program`` of ``cl/<name>`` for ``dev``."""
+    key = (name, tuple(options), dev.device.int_ptr)
+    prg = _cache.get(key)
+    if prg is not None:
+        return prg
+    with _lock:
+        prg = _cache.get(key)
+        if prg is None:
+            cl = dev.cl
+            opts = ["-I", str(CL_DIR), *options]
+            try:
+                prg = cl.Program(dev.context, source(name)).build(options=opts)
+            except cl.RuntimeError as exc:  # build failure: the log is in the message
+                raise BackendError(f"kvreg-opencl: building {name} for {dev.info.name!r} failed:\n{exc}") from exc
+            _cache[key] = prg
+    return prg
+
+
+_kernels: dict[tuple, object] = {}
+
+
+def kernel(prg, name: str):
+    """One ``pyopencl.Kernel`` per (program, name): retrieving a kernel from
+    a program creates a new object each time, which costs per launch."""
+    key = (id(prg), name)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = _new_kernel(prg, name)
+    return k
+
+
+def _new_kernel(prg, name):
+    import pyopencl as cl
+
+    return cl.Kernel(prg, name)
+
+
+def attend_program(dev: DeviceState):
+    opts = (f"-DKVREG_HC={int(config.HEADS_PER_WG)}", *config.ATTEND_OPTIONS)
+    return build(dev, "attend.cl", opts)
+
+
+def quant_program(dev: DeviceState):
+    """The exact-class quantize program, or BackendError when the device has
+    no correctly rounded float32 division (the backend then keeps the NumPy
+    reference quantize instead; see docs/opencl.md)."""
+    if not dev.info.correctly_rounded_div_sqrt:
+        raise BackendError(
+            f"kvreg-opencl: {dev.info.name!r} lacks correctly rounded fp32 divide/sqrt "
+            "(or denormals / round-to-nearest); quantize_rows stays on the reference"
+        )
+    return build(dev, "quant.cl", tuple(config.QUANT_OPTIONS))

@@ -1,0 +1,21 @@
+"""kvreg: the KV cache of an LLM inference engine, with pluggable backends.
+
+``import kvreg`` imports numpy and pluggy only; backends (numba, pyopencl)
+load when selected.
+"""
+
+from .cache import EvictionPolicy, KvCache
+from .errors import (BackendError, ConfigError, KvregError, SealError, ShapeError, StateError,
+                     WireError)
+from .layer import LayerKvCache
+from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
+from .registry import backends, get_backend, refresh
+from .wire import WIRE_MAGIC, WIRE_VERSION, WireKind
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendError", "ConfigError", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
+    "KvregError", "LayerKvCache", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
+    "WireError", "WireKind", "backends", "get_backend", "refresh", "__version__",
+]

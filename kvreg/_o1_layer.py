@@ -1,0 +1,293 @@
+"""The O(1) Nyström lifecycle of a layer (the seed's ``o1_*`` methods).
+
+Collecting: the prompt runs exact attention while the rotated queries are
+recorded (``o1_push_q``). ``o1_seal`` validates everything first and only then
+converts: per KV group a :class:`~kvreg.nystrom.NystromState` is built from the
+group's rows and queries, and the O(context) storage is released. A seal that
+cannot proceed latches an error, clears the layer and refuses appends until
+``clear()``. Sealed: ``o1_step`` replaces cache attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _validate as V
+from .errors import SealError, ShapeError, StateError
+from .nystrom import NystromState, O1Rect, o1_deferred_boundary
+
+log = logging.getLogger("kvreg.o1")
+
+
+@dataclass
+class O1Collecting:
+    m: int
+    w: int
+    sink: int
+    rect: O1Rect
+    #: Completed-row barrier: None = the caller asks for a full-prompt seal.
+    seal_at: int | None
+    #: Rotated queries, one ``[num_heads * hd]`` row per traced position.
+    q_rows: list = field(default_factory=list)
+
+    def q_len(self) -> int:
+        return sum(int(r.size) for r in self.q_rows)
+
+
+@dataclass
+class O1Sealed:
+    groups: list
+
+
+class O1Mixin:
+    """``o1_*`` methods of :class:`~kvreg.layer.LayerKvCache`."""
+
+    def _init_o1(self) -> None:
+        self._o1 = None
+        self._o1_error = None
+        self._o1_q_stride = 1
+        self._o1_params = None
+        self._o1_transitioned = False
+        self._o1_scale = None
+
+    # ── arming and the query trace ──
+
+    def o1_begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, *, scale=None) -> None:
+        """Arm query collection for a fresh prompt pass."""
+        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale)
+
+    def o1_begin_with_boundary(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate,
+                               seal_at: int | None = None, *, scale=None) -> None:
+        """Arm collection with an optional completed-row seal barrier.
+
+        The geometry (m >= 4, w > 0) is checked by the seal, as the seed does;
+        here only the types. ``scale`` is the score scale (1/√hd by default).
+        """
+        for name, x in (("m", m), ("w", w), ("sink", sink)):
+            V.nonneg_int(name, x)
+        if seal_at is not None:
+            V.nonneg_int("seal_at", seal_at)
+        if not isinstance(rect, O1Rect):
+            raise ShapeError(f"rect must be an O1Rect, got {rect!r}")
+        if self.bounded is not None:
+            raise StateError("a bounded-anchor layer cannot take an O(1) overlay")
+        self._o1_scale = float(V.scale(scale)) if scale is not None else 1.0 / float(np.sqrt(self.head_dim))
+        self._o1 = O1Collecting(int(m), int(w), int(sink), rect, seal_at)
+        self._o1_q_stride = 1
+        self._o1_params = (int(m), int(w), int(sink), rect)
+        self._o1_error = None
+        self._o1_transitioned = False
+
+    def o1_push_q(self, q_all) -> None:
+        """Record one traced position's rotated queries (``num_heads*hd``).
+        No-op unless collecting."""
+        if not isinstance(self._o1, O1Collecting):
+            return
+        q = V.float_vector("q_all", np.ravel(np.asarray(q_all)))
+        if q.size == 0 or q.size % self.head_dim:
+            raise ShapeError(f"q_all has {q.size} values; expected num_heads * {self.head_dim}")
+        self._o1.q_rows.append(q.copy())
+
+    def o1_set_q_trace(self, q) -> None:
+        """The whole query trace at once, ``[rows / stride][num_heads][hd]``."""
+        if isinstance(self._o1, O1Collecting):
+            flat = V.float_vector("q", np.ravel(np.asarray(q)))
+            self._o1.q_rows = [flat.copy()]
+
+    def o1_set_q_stride(self, stride: int) -> None:
+        """One row in ``stride`` is in the query trace."""
+        V.nonneg_int("stride", stride)
+        self._o1_q_stride = max(int(stride), 1)
+
+    def o1_q_trace(self) -> np.ndarray | None:
+        """The rotated-query trace collected so far (flat), while collecting."""
+        if not isinstance(self._o1, O1Collecting):
+            return None
+        rows = self._o1.q_rows
+        return np.concatenate(rows) if rows else np.zeros(0, dtype=np.float32)
+
+    def o1_recollect(self, k, v, q, stride: int, rows: int) -> bool:
+        """Back to collecting over rows kept in host memory (``k``, ``v``:
+        ``[rows][nkv][hd]``); the next seal builds the far field anew."""
+        if not isinstance(self._o1, O1Sealed) or self._o1_params is None:
+            return False
+        V.nonneg_int("rows", rows)
+        nkv, hd = self.num_kv_heads, self.head_dim
+        kk = V.array("k", k, (rows, nkv, hd))
+        vv = V.array("v", v, (rows, nkv, hd))
+        qq = V.float_vector("q", np.ravel(np.asarray(q)))
+        m, w, sink, rect = self._o1_params
+        self._st.release()
+        self._st.reserve(rows)
+        self._st.k[:, :rows] = kk.transpose(1, 0, 2)
+        self._st.v[:, :rows] = vv.transpose(1, 0, 2)
+        self._st.lens[:] = rows
+        self._st._imp[:rows] = 0
+        self._st.seq_len = rows
+        self._seq_len = rows
+        self._o1_q_stride = max(int(stride), 1)
+        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq.copy()])
+        return True
+
+    # ── boundary ──
+
+    def o1_set_boundary(self, at: int) -> None:
+        V.nonneg_int("at", at)
+        if isinstance(self._o1, O1Collecting):
+            self._o1.seal_at = int(at)
+
+    def o1_sealed(self) -> bool:
+        return isinstance(self._o1, O1Sealed)
+
+    def o1_collecting(self) -> bool:
+        return isinstance(self._o1, O1Collecting)
+
+    def o1_pending_boundary(self) -> int | None:
+        return self._o1.seal_at if isinstance(self._o1, O1Collecting) else None
+
+    def o1_boundary_crossed_by(self, count: int) -> bool:
+        """Whether appending ``count`` exact rows would cross the deferred
+        boundary. A batch that ends exactly on it crosses nothing (all its rows
+        are exact; the caller seals after it); ``KVREG_O1_WALK_BOUNDARY=1``
+        walks such a batch row by row as before."""
+        V.nonneg_int("count", count)
+        target = self.o1_pending_boundary()
+        if target is None:
+            return False
+        walk = os.environ.get("KVREG_O1_WALK_BOUNDARY") == "1"
+        nxt = self._seq_len + count
+        return target <= self._seq_len or nxt > target or (walk and nxt == target)
+
+    def take_o1_transition(self) -> bool:
+        t, self._o1_transitioned = self._o1_transitioned, False
+        return t
+
+    def take_o1_error(self) -> str | None:
+        """The latched seal failure, if any. Deliberately non-consuming: the
+        error guards appends until ``clear()``."""
+        return self._o1_error
+
+    # ── seal ──
+
+    def o1_abort(self, err: str) -> None:
+        """Clear the exact storage, drop the overlay and latch ``err``."""
+        self._kv_rows_changed(0)
+        self._st.clear()
+        self._o1 = None
+        self._seq_len = 0
+        self._base = 0
+        self._o1_transitioned = False
+        self._o1_error = str(err)
+
+    def o1_seal(self, num_heads: int) -> bool:
+        """Seal; on a malformed prerequisite abort (latch, clear) and return
+        False. False also while below the deferred boundary."""
+        try:
+            return self.o1_seal_checked(num_heads)
+        except SealError as exc:
+            log.error("o1: seal aborted: %s", exc)
+            self.o1_abort(str(exc))
+            return False
+
+    def o1_seal_checked(self, num_heads: int) -> bool:
+        """Checked seal: validation runs while the collecting state and the
+        full KV are intact; only a valid completed boundary converts. Raises
+        :class:`SealError` (nothing changed) on a malformed prerequisite."""
+        if self._o1_error is not None:
+            raise SealError(self._o1_error)
+        if not isinstance(self._o1, O1Collecting):
+            return self.o1_sealed()   # idempotent; a plain layer is not a participant
+        col = self._o1
+        floor = o1_deferred_boundary(col.w, col.sink, col.m)
+        target = max(col.seal_at if col.seal_at is not None else floor, floor)
+        t = self._seq_len
+        if t < target:
+            if col.seal_at != target:
+                col.seal_at = target
+                log.info("o1 deferred seal: current rows=%d, boundary=%d (floor=%d)", t, target, floor)
+            return False
+        hd, nkv = self.head_dim, self.num_kv_heads
+        if t == 0:
+            raise SealError("o1 seal: cannot seal an empty layer")
+        if self.mode.quantized:
+            raise SealError("o1 seal: requires dense F32 KV storage")
+        if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % nkv:
+            raise SealError(f"o1 seal: invalid GQA geometry num_heads={num_heads} num_kv_heads={nkv}")
+        stride = self._o1_q_stride
+        expected_q = -(-t // stride) * hd * num_heads
+        q_len = col.q_len()
+        if q_len != expected_q:
+            raise SealError(f"o1 seal: query trace has {q_len} values, expected {expected_q}")
+        if self._base or (self._st.lens != t).any():
+            raise SealError("o1 seal: KV heads are not densely populated")
+        if col.m < 4 or col.w == 0:
+            raise SealError(f"o1 seal: invalid geometry m={col.m} w={col.w}")
+
+        hpk = num_heads // nkv
+        trace = np.concatenate(col.q_rows).reshape(-1, num_heads, hd)
+        rows_q = trace[np.arange(t) // stride]          # [t, nh, hd]
+        st = self._st
+
+        def seal_group(g: int) -> NystromState:
+            state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1_scale,
+                                           rect=col.rect, kernels=self._nystrom_kernels())
+            qs = np.ascontiguousarray(rows_q[:, g * hpk:(g + 1) * hpk].transpose(1, 0, 2))
+            state.prefill_group(qs, st.k[g, :t], st.v[g, :t])
+            return state
+
+        # One group's state depends on its rows alone: seal groups on threads
+        # (numpy's matmuls release the GIL).
+        if nkv > 1:
+            with ThreadPoolExecutor(max_workers=min(nkv, os.cpu_count() or 1)) as pool:
+                groups = list(pool.map(seal_group, range(nkv)))
+        else:
+            groups = [seal_group(0)]
+        # The states carry everything decode needs: release the O(context)
+        # storage (this is the memory claim, not a cosmetic).
+        self._kv_rows_changed(0)
+        st.release()
+        self._o1 = O1Sealed(groups)
+        self._o1_transitioned = True
+        return True
+
+    def _nystrom_kernels(self):
+        return getattr(self.backend, "nystrom_kernels", None)
+
+    # ── sealed decode ──
+
+    def o1_step(self, q_all, k_new, v_new, num_heads: int) -> np.ndarray:
+        """One decode step on a sealed layer: per KV group insert the group's
+        fresh (k, v) once and read every Q head. Returns ``[num_heads, hd]``."""
+        if not isinstance(self._o1, O1Sealed):
+            raise StateError("o1_step on a layer that is not sealed")
+        nkv, hd = self.num_kv_heads, self.head_dim
+        if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % nkv:
+            raise ShapeError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={nkv}")
+        q = V.array("q_all", q_all, (num_heads, hd))
+        k = V.rows("k_new", k_new, nkv, hd)
+        v = V.rows("v_new", v_new, nkv, hd)
+        hpk = num_heads // nkv
+        out = np.empty((num_heads, hd), dtype=np.float32)
+        for g, state in enumerate(self._o1.groups):
+            out[g * hpk:(g + 1) * hpk] = state.step_group(q[g * hpk:(g + 1) * hpk], k[g], v[g])
+        # The honest context depth: nothing is stored per position.
+        self._seq_len += 1
+        return out
+
+    def o1_memory_bytes(self) -> int:
+        """Bytes of the overlay: the query trace while collecting, the
+        per-group states once sealed."""
+        if isinstance(self._o1, O1Collecting):
+            return self._o1.q_len() * 4
+        if isinstance(self._o1, O1Sealed):
+            return sum(g.memory_bytes() for g in self._o1.groups)
+        return 0
+
+    def _o1_before_append(self) -> None:
+        if isinstance(self._o1, O1Sealed):
+            raise StateError("append on a sealed O(1) layer: decode through o1_step")

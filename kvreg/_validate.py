@@ -1,0 +1,135 @@
+"""Validation at the public edge: each helper returns the clean value or raises
+a kvreg error that names what was expected. Kernels trust what passes here."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from .errors import ShapeError
+
+__tracebackhide__ = True
+
+
+def _as_f32(name: str, x) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.float32:
+            if np.can_cast(x.dtype, np.float32, casting="safe"):
+                return x.astype(np.float32)
+            return _lossless(name, x, x.dtype)
+        return x
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"{name} must be an array of floats: {exc}") from None
+    if arr.dtype.kind not in "biuf":
+        raise ShapeError(f"{name} has dtype {arr.dtype}; expected float32 values")
+    return _as_f32(name, arr)
+
+
+def _lossless(name: str, x: np.ndarray, dtype) -> np.ndarray:
+    """float64 (or int) values that float32 holds exactly are accepted."""
+    if x.dtype.kind not in "biuf":
+        raise ShapeError(f"{name} has dtype {dtype}; expected float32 values")
+    y = x.astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        same = (y == x) | (np.isnan(y) & np.isnan(x))
+    if not same.all():
+        raise ShapeError(f"{name} has dtype {dtype} with values float32 cannot hold exactly; "
+                         f"expected float32 (cast it yourself if the rounding is intended)")
+    return y
+
+
+def positive_int(name: str, x) -> int:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x <= 0:
+        raise ShapeError(f"{name} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def nonneg_int(name: str, x) -> int:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
+        raise ShapeError(f"{name} must be a non-negative integer, got {x!r}")
+    return int(x)
+
+
+def index(name: str, x, n: int) -> int:
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or not 0 <= x < n:
+        raise ShapeError(f"{name} must be an integer in [0, {n}), got {x!r}")
+    return int(x)
+
+
+def rows(name: str, x, nkv: int, hd: int) -> np.ndarray:
+    """``nkv*hd`` floats, flat or ``[nkv, hd]`` -> C-contiguous float32 ``[nkv, hd]``."""
+    a = _as_f32(name, x)
+    if a.shape not in ((nkv * hd,), (nkv, hd)):
+        raise ShapeError(f"{name} has shape {a.shape}; expected ({nkv * hd},) or ({nkv}, {hd})")
+    return np.ascontiguousarray(a.reshape(nkv, hd))
+
+
+def heads(name: str, x, hd: int) -> np.ndarray:
+    """``[nheads, hd]`` or a flat multiple of ``hd`` -> float32 ``[nheads, hd]``."""
+    a = _as_f32(name, x)
+    if a.ndim == 1 and a.size % hd == 0 and a.size:
+        a = a.reshape(-1, hd)
+    if a.ndim != 2 or a.shape[1] != hd or a.shape[0] == 0:
+        raise ShapeError(f"{name} has shape {a.shape}; expected [nheads, {hd}] or a flat multiple of {hd}")
+    return np.ascontiguousarray(a)
+
+
+def array(name: str, x, shape: tuple[int, ...]) -> np.ndarray:
+    a = _as_f32(name, x)
+    size = int(np.prod(shape))
+    if a.shape != shape and not (a.ndim == 1 and a.size == size):
+        raise ShapeError(f"{name} has shape {a.shape}; expected {shape} or ({size},)")
+    return np.ascontiguousarray(a.reshape(shape))
+
+
+def float_vector(name: str, x) -> np.ndarray:
+    a = _as_f32(name, x)
+    if a.ndim != 1:
+        raise ShapeError(f"{name} has shape {a.shape}; expected a 1-D vector")
+    return np.ascontiguousarray(a)
+
+
+def alive_mask(alive, nkv: int) -> np.ndarray:
+    """None/empty = every head alive (the seed: a missing entry is alive)."""
+    if alive is None:
+        return np.ones(nkv, dtype=bool)
+    a = np.asarray(alive)
+    if a.size == 0:
+        return np.ones(nkv, dtype=bool)
+    if a.dtype != bool or a.shape != (nkv,):
+        raise ShapeError(f"alive has shape {a.shape} dtype {a.dtype}; expected {nkv} booleans (or None)")
+    return a.copy()
+
+
+def sinks(x, nheads: int) -> np.ndarray | None:
+    if x is None:
+        return None
+    a = float_vector("sinks", x)
+    if a.size == 0:
+        return None
+    if a.shape[0] != nheads:
+        raise ShapeError(f"sinks has {a.shape[0]} logits; expected one per Q head ({nheads})")
+    return a
+
+
+def imp_acc(x) -> np.ndarray | None:
+    if x is None:
+        return None
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1 or not x.flags.writeable:
+        raise ShapeError("imp_acc must be a writable 1-D float32 numpy array (it is accumulated in place)")
+    return x
+
+
+def scale(x) -> np.float32:
+    if not isinstance(x, numbers.Real) or not np.isfinite(x) or x <= 0:
+        raise ShapeError(f"scale must be a finite positive number, got {x!r}")
+    return np.float32(x)
+
+
+def softcap(x) -> float:
+    if not isinstance(x, numbers.Real) or not np.isfinite(x) or x < 0:
+        raise ShapeError(f"softcap must be a finite number >= 0 (0 = off), got {x!r}")
+    return float(x)

@@ -1,0 +1,90 @@
+"""Wire export/import of a layer (format and refusals: docs/wire.md)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import WireError
+from .modes import KvMode
+from .storage import LayerStorage
+from .wire import BoundedRecord, Expect, LayerState, WireKind, check_exportable, decode_layer, encode_layer
+
+
+class WireMixin:
+    """``export_wire`` / ``import_wire`` of :class:`~kvreg.layer.LayerKvCache`."""
+
+    def export_wire(self, f16: bool = False) -> bytes:
+        """This layer's state as a v2 wire record (the seed's bytes exactly).
+
+        Refuses rather than travelling half-complete: q8 storage, an O(1)
+        overlay or frozen fields under F32 hold state the format does not
+        describe. ``f16`` halves the K/V payloads (round to nearest even);
+        recurrent and importance vectors stay f32.
+        """
+        st = self._st
+        check_exportable(st.mode is KvMode.F32, self._o1 is not None, st.field_frozen())
+        bounded = None
+        if self.wire_kind == WireKind.Bounded:
+            b = self.bounded
+            if b is None:
+                raise WireError("kv export: bounded wire kind without an installed ring")
+            bounded = BoundedRecord(b.window, b.len(), b.head(), b.ring_k, b.ring_v)
+        k = [st.k[h, : st.lens[h]] if st.k is not None else np.zeros((0, self.head_dim), np.float32)
+             for h in range(self.num_kv_heads)]
+        v = [st.v[h, : st.lens[h]] if st.v is not None else np.zeros((0, self.head_dim), np.float32)
+             for h in range(self.num_kv_heads)]
+        state = LayerState(
+            kind=self.wire_kind, identity=self.wire_identity, layer=self.wire_layer, position=self.pos_len,
+            base=self._base, seq_len=self._seq_len, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            linear_state=self.linear_state, imp=st.imp, k=k, v=v, bounded=bounded,
+        )
+        return encode_layer(state, f16=bool(f16))
+
+    def import_wire(self, buf) -> None:
+        """Install a peer's state over this layer.
+
+        Accepts the versioned wire (magic ``CMFS``) and, for full/linear
+        layers, the legacy unversioned body. The whole blob is decoded and
+        checked first; a refused import raises :class:`WireError` and leaves
+        the layer exactly as it was. Learned sinks are weights: kept.
+        """
+        expect = Expect(
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, identity=self.wire_identity,
+            layer=self.wire_layer, kind=self.wire_kind,
+            bounded_window=None if self.bounded is None else self.bounded.window,
+            linear_wire_allowed=self._linear_wire_allowed,
+        )
+        rec = decode_layer(buf, expect)
+        self._apply_record(rec)
+
+    def _apply_record(self, rec: LayerState) -> None:
+        # Nothing below can fail: the record is complete and checked.
+        fresh = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
+        if rec.kind in (WireKind.Full, WireKind.FullTail):
+            rows = max((a.shape[0] for a in rec.k), default=0)
+            fresh.reserve(max(rows, rec.imp.shape[0]))
+            for h in range(self.num_kv_heads):
+                n = rec.k[h].shape[0]
+                if n:
+                    fresh.k[h, :n] = rec.k[h]
+                    fresh.v[h, :n] = rec.v[h]
+                fresh.lens[h] = n
+            fresh._imp[: rec.imp.shape[0]] = rec.imp
+            fresh.seq_len = rec.imp.shape[0]
+            self.linear_state = rec.linear_state
+        elif rec.kind == WireKind.Linear:
+            self.linear_state = rec.linear_state
+        else:
+            b = rec.bounded
+            self.bounded.load(b.ring_k, b.ring_v, rec.position)
+            # The undo rows describe inserts this side never made.
+            self.bounded.reset_undo()
+            self.linear_state = np.zeros(0, dtype=np.float32)
+        self._st = fresh
+        self._kv_rows_changed(0)
+        self.discard_linear_scratch()
+        self._o1 = None
+        self._o1_error = None
+        self._o1_transitioned = False
+        self._base = rec.base if rec.kind == WireKind.FullTail else 0
+        self._seq_len = rec.seq_len

@@ -1,0 +1,129 @@
+"""`KvCache`: every layer of a model, with the cache-wide eviction policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import _validate as V
+from .errors import ConfigError, WireError
+from .layer import LayerKvCache
+from .modes import KvMode
+from .wire import decode_cache, encode_cache
+
+
+@dataclass(frozen=True)
+class Recent:
+    """Sliding window: keep only the most recent positions."""
+
+
+@dataclass(frozen=True)
+class Born:
+    """Mass-based: ``sink`` earliest + recents + top accumulated attention mass."""
+
+    sink: int = 4
+
+
+class EvictionPolicy:
+    """``EvictionPolicy.Recent`` / ``EvictionPolicy.Born(sink=4)`` (the seed's enum)."""
+
+    Recent = Recent()
+    Born = Born
+
+
+class KvCache:
+    """The KV cache of a whole model: ``num_layers`` :class:`LayerKvCache`.
+
+    ``policy`` defaults to ``EvictionPolicy.Born(sink=4)`` (the seed's
+    default); ``mode`` and ``backend`` are passed to every layer.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                 policy=None, *, mode: KvMode | str | None = None, backend=None):
+        V.positive_int("num_layers", num_layers)
+        V.positive_int("max_seq_len", max_seq_len)
+        self.policy = Born(4) if policy is None else policy
+        self._check_policy(self.policy)
+        self.max_seq_len = int(max_seq_len)
+        mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
+        self.layers = [LayerKvCache(num_kv_heads, head_dim, mode, backend, layer=i) for i in range(num_layers)]
+
+    @staticmethod
+    def _check_policy(policy) -> None:
+        if isinstance(policy, Born):
+            V.nonneg_int("Born.sink", policy.sink)
+        elif not isinstance(policy, Recent):
+            raise ConfigError(f"policy must be EvictionPolicy.Recent or EvictionPolicy.Born(sink), got {policy!r}")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> LayerKvCache:
+        return self.layers[i]
+
+    def clear(self) -> None:
+        for layer in self.layers:
+            layer.clear()
+
+    def total_memory_bytes(self) -> int:
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of linear-core recurrent state (scratch included)."""
+        return sum((layer.linear_state.size + layer.linear_scratch.size) * 4 for layer in self.layers)
+
+    def attention_state_bytes(self) -> int:
+        """Attention KV (or sealed O(1) state) bytes: total minus recurrent."""
+        return max(self.total_memory_bytes() - self.recurrent_state_bytes(), 0)
+
+    def bounded_state_bytes(self) -> int:
+        """Bytes of bounded-anchor rings (constant in context)."""
+        return sum(layer.bounded_state_bytes() for layer in self.layers)
+
+    def reserved_bytes(self) -> int:
+        """Capacity held by the row storage of every layer."""
+        return sum(layer.reserved_bytes() for layer in self.layers)
+
+    @property
+    def seq_len(self) -> int:
+        """Absolute depth: max over layers of ``pos_len``."""
+        return max((layer.pos_len for layer in self.layers), default=0)
+
+    def needs_eviction(self) -> bool:
+        """True when a layer with per-position storage reached the cap (bounded
+        rings and sliding tails bound themselves and are not counted)."""
+        rows = [layer.seq_len for layer in self.layers if layer.bounded is None and layer.tail_window is None]
+        return max(rows, default=0) >= self.max_seq_len
+
+    def evict(self, keep_last: int) -> None:
+        """Evict every layer down to ``keep_last`` rows according to the policy."""
+        V.nonneg_int("keep_last", keep_last)
+        self._check_policy(self.policy)
+        if isinstance(self.policy, Recent):
+            for layer in self.layers:
+                layer.evict(keep_last)
+        else:
+            recent = max(keep_last // 2, 1)
+            for layer in self.layers:
+                layer.evict_born(keep_last, self.policy.sink, recent)
+
+    def export_wire(self, f16: bool = False) -> bytes:
+        """Every layer's v2 record in a ``KVRC`` container (docs/wire.md)."""
+        return encode_cache([layer.export_wire(f16) for layer in self.layers])
+
+    def import_wire(self, buf) -> None:
+        """Install a container exported by :meth:`export_wire`: every layer
+        record is decoded and checked before any layer changes."""
+        from .wire import Expect, decode_layer
+
+        blobs = decode_cache(buf)
+        if len(blobs) != len(self.layers):
+            raise WireError(f"kv import: container holds {len(blobs)} layers, this cache has {len(self.layers)}")
+        records = []
+        for layer, blob in zip(self.layers, blobs):
+            expect = Expect(num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+                            identity=layer.wire_identity, layer=layer.wire_layer, kind=layer.wire_kind,
+                            bounded_window=None if layer.bounded is None else layer.bounded.window,
+                            linear_wire_allowed=layer._linear_wire_allowed)
+            records.append(decode_layer(blob, expect))
+        for layer, rec in zip(self.layers, records):
+            layer._apply_record(rec)

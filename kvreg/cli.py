@@ -1,0 +1,123 @@
+"""The ``kvreg`` command: ``info``, ``wire inspect``, ``conformance``, ``bench``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _cmd_info(args) -> int:
+    import kvreg
+    from kvreg import registry
+    from kvreg.errors import BackendError
+
+    print(f"kvreg {kvreg.__version__}")
+    env = {k: os.environ.get(k) for k in ("KVREG_BACKEND", "KVREG_DEVICE", "KVREG_KV")}
+    print("environment: " + ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in env.items()))
+    try:
+        mode = kvreg.KvMode.from_env().value
+    except kvreg.ConfigError as exc:
+        mode = f"ERROR: {exc}"
+    print(f"KV mode: {mode}")
+    try:
+        active = kvreg.get_backend()
+        print(f"active backend: {active.describe()}")
+    except BackendError as exc:
+        print(f"active backend: ERROR: {exc}")
+    print("registered backends:")
+    for name, cls in sorted(registry.backends().items()):
+        try:
+            devices = cls.devices()
+        except BackendError as exc:
+            devices = [f"unavailable: {exc}"]
+        native = cls.native_kernels()
+        print(f"  {name} (priority {cls.priority}{', auto' if cls.auto else ''})")
+        print(f"    devices: {'; '.join(devices) if devices else 'none'}")
+        print(f"    native kernels: {', '.join(native) if native else 'none (inherits the reference)'}")
+    for name, err in registry.load_errors().items():
+        print(f"  {name}: FAILED TO LOAD: {err}")
+    return 0
+
+
+def _cmd_wire_inspect(args) -> int:
+    from kvreg.wire import inspect
+
+    try:
+        with open(args.file, "rb") as fh:
+            buf = fh.read()
+    except OSError as exc:
+        print(f"kvreg wire inspect: cannot read {args.file}: {exc}", file=sys.stderr)
+        return 2
+    report = inspect(buf)
+    print(report)
+    return 1 if "ERROR" in report.upper().split("\n", 1)[0] or "\nERROR" in report.upper() else 0
+
+
+def _cmd_conformance(args) -> int:
+    from kvreg.conformance_cli import run
+
+    return run(args)
+
+
+def _cmd_bench(args) -> int:
+    from kvreg.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _cmd_demo(args) -> int:
+    from kvreg.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvreg", description="kvreg: KV cache library for LLM inference engines")
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("info", help="version, backends, devices, native kernels, environment")
+    sp.set_defaults(func=_cmd_info)
+
+    wp = sub.add_parser("wire", help="wire-format tools")
+    wsub = wp.add_subparsers(dest="wire_command", required=True)
+    ip = wsub.add_parser("inspect", help="print the header and body summary of a blob, or what is wrong with it")
+    ip.add_argument("file")
+    ip.set_defaults(func=_cmd_wire_inspect)
+
+    cp = sub.add_parser("conformance", help="run the conformance suite per backend and device")
+    cp.add_argument("--backend", default=None, help="backend name or 'all' (default: all installed)")
+    cp.add_argument("--device", default=None, help="device spec (backend-specific)")
+    cp.add_argument("--report", default=None, metavar="FILE.json")
+    cp.add_argument("--junit", default=None, metavar="FILE.xml")
+    cp.add_argument("-k", dest="keyword", default=None, metavar="EXPR")
+    cp.add_argument("--quick", action="store_true", help="the quick profile (< 60 s per backend)")
+    cp.set_defaults(func=_cmd_conformance)
+
+    bp = sub.add_parser("bench", help="throughput against the machine's limits and peers")
+    bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
+    bp.add_argument("--backend", action="append", default=None)
+    bp.add_argument("--quick", action="store_true")
+    bp.add_argument("--json", default=None, metavar="FILE")
+    bp.add_argument("--plot", default=None, metavar="FILE.png")
+    bp.set_defaults(func=_cmd_bench)
+
+    dp = sub.add_parser("demo", help="a small GPT-style decoder driving KvCache")
+    dp.add_argument("--tokens", type=int, default=32)
+    dp.add_argument("--prompt", type=int, default=256)
+    dp.add_argument("--chunk", type=int, default=64)
+    dp.add_argument("--kv", default=None, help="KV mode (f32, q8, q8k, q8v)")
+    dp.add_argument("--budget", type=int, default=None, help="Born eviction at this many rows")
+    dp.add_argument("--o1", action="store_true", help="seal every layer with the O(1) Nyström state")
+    dp.add_argument("--handoff", action="store_true", help="prefill in one process, decode in another")
+    dp.add_argument("--layers", type=int, default=8)
+    dp.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,542 @@
+"""`LayerKvCache`: one layer's KV cache with the seed's full surface.
+
+Storage is head-major (:mod:`kvreg.storage`), attention runs on the layer's
+backend (:mod:`kvreg.backend`). Every public method validates its arguments
+first and mutates only after: a refused call leaves the layer as it was.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+from . import _validate as V
+from .errors import SealError, ShapeError, StateError
+from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
+from .quant import dequantize_rows, field_rms
+from .registry import get_backend
+from ._bounded_layer import BoundedMixin
+from ._o1_layer import O1Mixin
+from ._wire_layer import WireMixin
+from .storage import LayerStorage, next_generation
+
+
+class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
+    """KV cache of a single layer, head-major.
+
+    ``num_kv_heads`` heads of ``head_dim`` channels. ``mode`` None reads
+    ``KVREG_KV``; ``backend`` None reads ``KVREG_BACKEND``/``KVREG_DEVICE``
+    (a name or a :class:`~kvreg.backend.Backend` instance also work).
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode | str | None = None,
+                 backend=None, *, layer: int = 0):
+        V.positive_int("num_kv_heads", num_kv_heads)
+        V.positive_int("head_dim", head_dim)
+        self.num_kv_heads = int(num_kv_heads)
+        self.head_dim = int(head_dim)
+        mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
+        self.backend = get_backend(backend) if not hasattr(backend, "attend_group") else backend
+        self._st = LayerStorage(self.num_kv_heads, self.head_dim, mode)
+        self._seq_len = 0
+        self._base = 0
+        self._tail: int | None = None
+        self._sinks: np.ndarray | None = None
+        self.linear_state = np.zeros(0, dtype=np.float32)
+        self.linear_scratch = np.zeros(0, dtype=np.float32)
+        self._linear_wire_allowed = True
+        self._kv_amax = [0.0, 0.0]
+        self._kv_amax_rows = 0
+        self._init_extensions(layer)
+
+    def _init_extensions(self, layer: int) -> None:
+        # State of the optional capabilities (wire, bounded ring, O(1) seal);
+        # their methods live in the mixin modules that read these fields.
+        from .wire import WireKind
+
+        self.wire_kind = WireKind.Full
+        self.wire_layer = int(layer)
+        self.wire_identity = 0
+        self.bounded = None
+        self._init_o1()
+
+    # ── plain state ──
+
+    @property
+    def storage(self) -> LayerStorage:
+        """The row storage kernels read (treat as read-only)."""
+        return self._st
+
+    @property
+    def mode(self) -> KvMode:
+        return self._st.mode
+
+    @mode.setter
+    def mode(self, mode) -> None:
+        mode = KvMode.parse(mode)
+        if mode is self._st.mode:
+            return
+        if self._st.seq_len or self._st.lens.any():
+            raise StateError(f"cannot change the KV mode of a layer holding {self._seq_len} rows; clear() it first")
+        self._st = LayerStorage(self.num_kv_heads, self.head_dim, mode)
+
+    @property
+    def seq_len(self) -> int:
+        """Rows stored (dead heads included). Row 0 is absolute position ``base``."""
+        return self._seq_len
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        # The seed's record-only layers (linear, bounded) set the depth directly.
+        V.nonneg_int("seq_len", value)
+        self._seq_len = int(value)
+
+    @property
+    def base(self) -> int:
+        """Absolute position of stored row 0 (only ``trim_window`` moves it)."""
+        return self._base
+
+    @property
+    def pos_len(self) -> int:
+        """Absolute context depth: the position the next append will hold."""
+        return self._base + self._seq_len
+
+    @property
+    def generation(self) -> int:
+        """Storage generation; with the row count, the key of a device copy."""
+        return self._st.generation
+
+    @property
+    def tail_window(self) -> int | None:
+        """The window this layer trims to, once ``trim_window`` ran on it."""
+        return self._tail
+
+    @property
+    def imp(self) -> np.ndarray:
+        """Accumulated attention mass per stored row (read-only view)."""
+        v = self._st.imp
+        v = v.view()
+        v.flags.writeable = False
+        return v
+
+    @property
+    def sinks(self) -> np.ndarray | None:
+        """Learned per-Q-head sink logits (weights: ``clear`` and imports keep them)."""
+        return self._sinks
+
+    @sinks.setter
+    def sinks(self, value) -> None:
+        self._sinks = None if value is None else V.float_vector("sinks", value)
+
+    def head_len(self, kv_head: int) -> int:
+        """Rows actually stored for a head (0 for a dead head)."""
+        V.index("kv_head", kv_head, self.num_kv_heads)
+        return int(self._st.lens[kv_head])
+
+    def head_keys(self, kv_head: int) -> np.ndarray:
+        """f32 keys of a head, ``[rows, hd]`` view (empty when K is quantized).
+
+        A view, not a copy: valid until the next mutation of the layer.
+        """
+        return self._head_view(self._st.k, kv_head)
+
+    def head_values(self, kv_head: int) -> np.ndarray:
+        """f32 values of a head, ``[rows, hd]`` view (empty when V is quantized)."""
+        return self._head_view(self._st.v, kv_head)
+
+    def _head_view(self, block, kv_head):
+        V.index("kv_head", kv_head, self.num_kv_heads)
+        if block is None:
+            return np.zeros((0, self.head_dim), dtype=np.float32)
+        v = block[kv_head, : self._st.lens[kv_head]].view()
+        v.flags.writeable = False
+        return v
+
+    def memory_bytes(self) -> int:
+        """Bytes of stored state, counted as the seed counts (elements held)."""
+        return (self._st.stored_bytes() + self.linear_state.size * 4
+                + self.o1_memory_bytes() + self.bounded_state_bytes())
+
+    def reserved_bytes(self) -> int:
+        """Bytes of capacity the row storage holds (stored rows + room to grow)."""
+        return self._st.reserved_bytes()
+
+    def set_linear_wire_allowed(self, allowed: bool) -> None:
+        """Bind this layer to the legacy-wire policy (delta layers refuse it)."""
+        self._linear_wire_allowed = bool(allowed)
+
+    def discard_linear_scratch(self) -> None:
+        self.linear_scratch = np.zeros(0, dtype=np.float32)
+
+    # ── append ──
+
+    def append(self, k, v, alive=None) -> None:
+        """Append one position: ``k``, ``v`` are ``num_kv_heads*head_dim`` floats
+        (flat or ``[nkv, hd]``); heads with ``alive[h] == False`` store nothing.
+
+        Under q8 the 2f field freezes at the START of the append that finds
+        ``seq_len >= 64`` and no field yet (the seed's rule: only rows that
+        survived a rollback are in it). A q8 layer refuses non-finite rows:
+        one inf would make its group's scale inf and every dequantized value
+        of the row NaN, poisoning the head silently.
+        """
+        if self._o1_error is not None:
+            raise SealError(f"append refused: the O(1) seal of this layer failed ({self._o1_error}); clear() it first")
+        if self.bounded is not None:
+            raise StateError("append on a bounded-anchor layer: use bounded_step (it stores nothing per position)")
+        nkv, hd = self.num_kv_heads, self.head_dim
+        k = V.rows("k", k, nkv, hd)
+        v = V.rows("v", v, nkv, hd)
+        alive_mask = V.alive_mask(alive, nkv)
+        st = self._st
+        mode = st.mode
+        if mode.quantized:
+            for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
+                if q and not np.isfinite(x[alive_mask]).all():
+                    raise ShapeError(f"{name} has inf/NaN values: a q8 layer stores finite rows only")
+            if st.seq_len >= KV_COL_WARMUP and not st.field_frozen():
+                self._freeze_field()
+        heads = np.flatnonzero(alive_mask)
+        kr = vr = kq = ks = vq = vs = None
+        if heads.size:
+            if mode.quant_k:
+                col = np.where(st.kcol_set[heads, None], st.kcol[heads], np.float32(1))
+                kq, ks = self.backend.quantize_rows(k[heads], col, KV_K_GROUP)
+            else:
+                kr = k[heads]
+            if mode.quant_v:
+                col = np.where(st.vcol_set[heads, None], st.vcol[heads], np.float32(1))
+                vq, vs = self.backend.quantize_rows(v[heads], col, hd)
+                vs = vs[:, 0]
+            else:
+                vr = v[heads]
+        if self._o1 is not None:
+            self._o1_before_append()
+        st.append(kr, kq, ks, vr, vq, vs, alive_mask)
+        self._seq_len += 1
+
+    def _freeze_field(self) -> None:
+        """Freeze the 2f field: col = RMS per channel over the stored
+        (dequantized) rows; every stored row is requantized against it."""
+        st = self._st
+        hd = self.head_dim
+        for h in range(self.num_kv_heads):
+            n = int(st.lens[h])
+            if n == 0:
+                continue
+            for quantized, qb, sb, colb, setb, group in (
+                (st.mode.quant_k, "kq", "ks", st.kcol, st.kcol_set, KV_K_GROUP),
+                (st.mode.quant_v, "vq", "vs", st.vcol, st.vcol_set, hd),
+            ):
+                if not quantized:
+                    continue
+                q, s = getattr(st, qb), getattr(st, sb)
+                sc = s[h, :n] if s.ndim == 3 else s[h, :n, None]
+                rows = dequantize_rows(q[h, :n], sc, group)
+                col = field_rms(rows)
+                nq, ns = self.backend.quantize_rows(rows, col, group)
+                q[h, :n] = nq
+                if s.ndim == 3:
+                    s[h, :n] = ns
+                else:
+                    s[h, :n] = ns[:, 0]
+                colb[h] = col
+                setb[h] = True
+
+    # ── attention ──
+
+    def attend(self, q, kv_head: int):
+        """Per-head attention over the whole stored row with scale 1/√hd.
+
+        Returns ``(out [hd], probs [rows])``; bit-for-bit the grouped kernel.
+        """
+        V.index("kv_head", kv_head, self.num_kv_heads)
+        qv = V.rows("q", q, 1, self.head_dim)
+        n = int(self._st.lens[kv_head])
+        probs = np.zeros(n, dtype=np.float32)
+        out = self.backend.attend_group(qv, self._st, kv_head, scale=np.float32(1.0 / np.sqrt(np.float32(self.head_dim))),
+                                        first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
+        return out[0], probs
+
+    def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
+                     sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
+        """All Q heads of one KV group in one pass (``[nheads, hd]`` or flat).
+
+        Scores rows ``[first, stored)`` only (``stored = min(head_len, upto)``);
+        ``softcap > 0`` applies ``c·tanh(s/c)``; ``sinks`` (one logit per head
+        of this group) join the max and the denominator; ``imp_acc`` (float32,
+        writable) accumulates ``Σ_h probs``. Returns ``[nheads, hd]``.
+        """
+        V.index("kv_head", kv_head, self.num_kv_heads)
+        q = V.heads("q_group", q_group, self.head_dim)
+        n = int(self._st.lens[kv_head]) if upto is None else min(int(self._st.lens[kv_head]), V.nonneg_int("upto", upto))
+        first = V.nonneg_int("first", first)
+        if n and first >= n:
+            raise ShapeError(f"first={first} must be < the {n} visible rows of kv_head {kv_head}")
+        sinks = V.sinks(sinks, q.shape[0])
+        imp = V.imp_acc(imp_acc)
+        return self.backend.attend_group(q, self._st, kv_head, scale=V.scale(scale), first=first, upto=upto,
+                                         softcap=V.softcap(softcap), sinks=sinks, imp=imp)
+
+    def attend_group_upto(self, q_group, kv_head: int, *, upto: int, **kwargs) -> np.ndarray:
+        """``attend_group`` over the first ``upto`` rows only: bit-identical to the
+        call made when the layer held exactly ``upto`` rows."""
+        return self.attend_group(q_group, kv_head, upto=upto, **kwargs)
+
+    def attend_layer(self, q_all, *, scale: float | None = None, window: int | None = None, softcap: float = 0.0,
+                     sinks="layer", importance: bool = True) -> np.ndarray:
+        """Decode attention of every KV group in one call: ``q_all`` is
+        ``[num_heads, hd]`` (or flat), Q head ``h`` reads group ``h // hpk``.
+
+        ``window`` bounds each group to its newest rows; ``sinks`` defaults to
+        the layer's learned sinks (None disables); ``importance`` accumulates
+        the probabilities into the layer's importance (what Born eviction
+        reads). Returns ``[num_heads, hd]``; equals ``attend_group`` per group.
+        """
+        q = V.heads("q_all", q_all, self.head_dim)
+        nh = q.shape[0]
+        if nh % self.num_kv_heads:
+            raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
+        if window is not None:
+            V.positive_int("window", window)
+        sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
+        scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
+        imp = self._st.imp if importance else None
+        return self.backend.attend_layer(q, self._st, scale=scale, window=window, softcap=V.softcap(softcap),
+                                         sinks=sinks, imp=imp)
+
+    def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
+                     window: int | None = None) -> np.ndarray:
+        """Batched causal attention for a prefill chunk already appended.
+
+        ``q_all``: ``[b, num_heads, hd]`` (or flat); the layer holds ``s0 + b``
+        rows; row ``i`` sees rows ``[s0+i+1-window, s0+i+1)``. Importance gets
+        the masked column sums. Summation order differs from the per-row path
+        (tolerance class). On a q8 layer the key/value range the chunk reads
+        is dequantized once per call (the field and scales applied) and the
+        same kernel runs on it. Returns ``[b, num_heads, hd]``.
+        """
+        V.positive_int("b", b)
+        V.nonneg_int("s0", s0)
+        V.positive_int("heads_per_kv", heads_per_kv)
+        nh = self.num_kv_heads * heads_per_kv
+        q = V.array("q_all", q_all, (b, nh, self.head_dim))
+        if window is not None:
+            V.positive_int("window", window)
+        n = s0 + b
+        lens = self._st.lens
+        if not (lens == n).all():
+            raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {lens.tolist()}")
+        scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
+        st = self._st if self.mode is KvMode.F32 else self._dequantized_view(n)
+        return self.backend.attend_chunk(q, st, s0=s0, b=b, hpk=heads_per_kv, scale=scale, window=window,
+                                         imp=self._st.imp)
+
+    def _dequantized_view(self, n: int) -> LayerStorage:
+        """An F32 storage holding this layer's rows ``[0, n)`` dequantized."""
+        src = self._st
+        view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
+        view.reserve(n)
+        hd = self.head_dim
+        for h in range(self.num_kv_heads):
+            if src.mode.quant_k:
+                rows = dequantize_rows(src.kq[h, :n], src.ks[h, :n], KV_K_GROUP)
+                view.k[h, :n] = rows * src.kcol[h] if src.kcol_set[h] else rows
+            else:
+                view.k[h, :n] = src.k[h, :n]
+            if src.mode.quant_v:
+                rows = dequantize_rows(src.vq[h, :n], src.vs[h, :n, None], hd)
+                view.v[h, :n] = rows * src.vcol[h] if src.vcol_set[h] else rows
+            else:
+                view.v[h, :n] = src.v[h, :n]
+        view.lens[:] = n
+        return view
+
+    def accumulate_imp(self, probs) -> None:
+        """Add attention mass per stored row (the shorter length wins, as a zip)."""
+        p = V.float_vector("probs", probs)
+        imp = self._st.imp
+        m = min(imp.shape[0], p.shape[0])
+        imp[:m] += p[:m]
+
+    # ── rollback, trims, eviction ──
+
+    def truncate_last(self, n_drop: int) -> None:
+        """Roll back the last ``n_drop`` positions (speculative-decode reject)."""
+        V.nonneg_int("n_drop", n_drop)
+        self.discard_linear_scratch()
+        d = min(int(n_drop), self._seq_len)
+        if self.bounded is not None:
+            rolled = self.bounded.rollback(d)
+            if rolled < d:
+                warnings.warn(f"bounded anchor: rollback of {d} exceeds the undo depth ({rolled} restored)",
+                              stacklevel=2)
+            self._seq_len = self.bounded.seen
+            return
+        if self._tail is not None and self._base > 0 and self._seq_len - d < self._tail - 1:
+            warnings.warn(f"sliding tail: rollback of {d} leaves {self._seq_len - d} rows under the "
+                          f"{self._tail}-row window", stacklevel=2)
+        st = self._st
+        live = st.lens > 0
+        if live.any():
+            self._kv_rows_changed(int((st.lens[live] - d).clip(min=0).min()))
+        st.truncate(d)
+        self._seq_len -= d
+
+    def trim_window(self, w: int, slack: int, align: int) -> int:
+        """Drop the rows a sliding-window layer can never read again (see
+        ``trim_window_anchored``). Returns the rows dropped."""
+        return self.trim_window_anchored(w, slack, align, None)
+
+    def trim_window_anchored(self, w: int, slack: int, align: int, anchor: int | None) -> int:
+        """Once more than ``2w`` rows are stored, drain the front down to
+        ``w + slack`` rows, the cut rounded DOWN to a multiple of ``align``
+        and never past ``anchor - w - slack`` (None = no anchor). The rows
+        that stay keep their order and values, so every windowed attend
+        answers bit for bit as untrimmed. No-op on an O(1) or bounded layer,
+        and on a q8 layer whose field is not frozen yet (the freeze reads
+        every stored row). Returns the rows dropped.
+        """
+        V.nonneg_int("w", w)
+        V.nonneg_int("slack", slack)
+        V.nonneg_int("align", align)
+        if anchor is not None:
+            V.nonneg_int("anchor", anchor)
+        if self._o1 is not None or self.bounded is not None or w == 0:
+            return 0
+        self._tail = w
+        if self._seq_len <= 2 * w:
+            return 0
+        if self.mode.quantized and not self._st.field_frozen():
+            return 0
+        align = max(align, 1)
+        keep_from = max(self.pos_len - (w + slack), 0)
+        if anchor is not None:
+            keep_from = min(keep_from, max(anchor - (w + slack), 0))
+        new_base = keep_from // align * align
+        if new_base <= self._base:
+            return 0
+        d = new_base - self._base
+        self._st.drop_front(d)
+        self._base = new_base
+        self._seq_len -= d
+        # The scanned mark moves with the rows: left in place, rows appended
+        # after the trim up to the old mark would never be scanned.
+        self._kv_amax_rows = max(self._kv_amax_rows - d, 0)
+        return d
+
+    def _evict_bypassed(self) -> bool:
+        # An O(1) layer (collecting: still-needed exact prefix; sealed: its
+        # state IS the eviction), a bounded ring and a sliding tail each bound
+        # themselves; ordinary eviction leaves them alone.
+        return self._o1 is not None or self.bounded is not None or self._tail is not None
+
+    def evict(self, keep_last: int) -> None:
+        """Drop the oldest positions, keeping the last ``keep_last``."""
+        V.nonneg_int("keep_last", keep_last)
+        if self._evict_bypassed() or self._seq_len <= keep_last:
+            return
+        drop = self._seq_len - keep_last
+        self._st.drop_front(drop)
+        self._kv_rows_changed(0)
+        self._seq_len = keep_last
+
+    def evict_born(self, keep_last: int, sink: int, recent: int) -> None:
+        """Mass-based eviction: keep the ``sink`` earliest rows, the ``recent``
+        latest, and fill the rest of ``keep_last`` with the rows of highest
+        accumulated attention mass (ties: the earlier row; NaN mass ranks last).
+        """
+        for name, x in (("keep_last", keep_last), ("sink", sink), ("recent", recent)):
+            V.nonneg_int(name, x)
+        if self._evict_bypassed():
+            return
+        imp = self._st.imp
+        stored = imp.shape[0]
+        if stored <= keep_last:
+            return
+        sink_n = min(sink, keep_last)
+        recent_n = min(recent, keep_last - sink_n)
+        keep = np.zeros(stored, dtype=bool)
+        keep[:sink_n] = True
+        if recent_n:
+            keep[stored - recent_n:] = True
+        budget = keep_last - int(keep.sum())
+        if budget > 0:
+            rest = np.flatnonzero(~keep)
+            mass = np.nan_to_num(imp[rest].astype(np.float64), nan=-np.inf)
+            order = rest[np.argsort(-mass, kind="stable")]
+            keep[order[:budget]] = True
+        kept = np.flatnonzero(keep)
+        self._st.gather(kept, self.backend.gather_rows)
+        self._kv_rows_changed(0)
+        self._seq_len = int(kept.size)
+
+    def clear(self) -> None:
+        """Forget the conversation. Learned sinks, the tail window and the
+        bounded ring's size are the layer's, not the conversation's: kept."""
+        self._kv_rows_changed(0)
+        self._st.clear()
+        self.linear_state = np.zeros(0, dtype=np.float32)
+        self.discard_linear_scratch()
+        self._o1 = None
+        self._o1_error = None
+        self._o1_transitioned = False
+        self._o1_params = None
+        if self.bounded is not None:
+            self.bounded.clear()
+        self._seq_len = 0
+        self._base = 0
+
+    # ── kv_abs_max ──
+
+    def _kv_rows(self) -> int:
+        st = self._st
+        if st.k is None and st.v is None:
+            return 0
+        return int(st.lens.max())
+
+    def _kv_rows_changed(self, first: int) -> None:
+        self._kv_amax_rows = min(self._kv_amax_rows, first)
+
+    def kv_abs_max(self) -> tuple[float, float]:
+        """(max |k|, max |v|) over the f32 K and V rows, +inf once one is inf or
+        NaN. Lazy: scans only rows appended since the last call."""
+        st = self._st
+        rows = self._kv_rows()
+        if rows < self._kv_amax_rows:
+            self._kv_amax_rows = 0
+        if self._kv_amax_rows == 0:
+            self._kv_amax = [0.0, 0.0]
+        frm = self._kv_amax_rows
+        for i, blk in enumerate((st.k, st.v)):
+            if blk is None:
+                continue
+            for h in range(self.num_kv_heads):
+                n = int(st.lens[h])
+                if n > frm:
+                    x = blk[h, frm:n]
+                    m = np.inf if not np.isfinite(x).all() else float(np.abs(x).max())
+                    self._kv_amax[i] = max(self._kv_amax[i], m)
+        self._kv_amax_rows = rows
+        return (self._kv_amax[0], self._kv_amax[1])
+
+    def kv_abs_max_after(self, chunk: tuple[int, int, float, float]) -> tuple[float, float]:
+        """``kv_abs_max`` folding in the caller's maxima ``(from, upto, kmax,
+        vmax)`` of rows it just appended, when they continue the scanned
+        prefix and the layer holds exactly ``upto`` rows; else the scan."""
+        frm, upto, km, vm = chunk
+        if self._kv_amax_rows != frm or self._kv_rows() != upto or frm > upto:
+            return self.kv_abs_max()
+        if frm == 0:
+            self._kv_amax = [0.0, 0.0]
+        self._kv_amax = [max(self._kv_amax[0], float(km)), max(self._kv_amax[1], float(vm))]
+        self._kv_amax_rows = upto
+        return (self._kv_amax[0], self._kv_amax[1])
+
+    def _new_generation(self) -> None:
+        self._st.generation = next_generation()
+
+    def __repr__(self) -> str:
+        return (f"LayerKvCache(heads={self.num_kv_heads}, hd={self.head_dim}, mode={self.mode.value}, "
+                f"rows={self._seq_len}, base={self._base}, backend={self.backend.name})")

@@ -1,0 +1,74 @@
+"""q8_2f arithmetic: the exact class of the numerics contract.
+
+Every backend must reproduce these functions bit for bit (docs/kernels.md):
+float32 throughout, correctly rounded division, no fused multiply-add, round
+half AWAY from zero (the seed's ``f32::round``; ``np.round`` rounds half to
+even and is wrong here), clamp to ±127, scale floor 1e-12, NaN -> 0 (Rust's
+saturating ``as i8``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SCALE_FLOOR = np.float32(1e-12)
+FIELD_FLOOR = np.float32(1e-6)
+_Q_MAX = np.float32(127.0)
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """Round to nearest, ties away from zero, exactly (float32 in, float32 out).
+
+    ``x - trunc(x)`` is exact in binary floating point, so the tie test has no
+    rounding of its own (``trunc(x + 0.5)`` would round 0.49999997 up).
+    """
+    t = np.trunc(x)
+    frac = x - t
+    return t + np.where(np.abs(frac) >= np.float32(0.5), np.sign(x), np.float32(0.0)).astype(np.float32)
+
+
+def num_groups(hd: int, group: int) -> int:
+    return -(-hd // group)
+
+
+def quantize_rows(x: np.ndarray, col: np.ndarray | None, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize rows ``x [n, hd]`` against the field ``col [hd]`` (None = 1).
+
+    Returns ``(q int8 [n, hd], s float32 [n, ceil(hd/group)])``.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    n, hd = x.shape
+    r = x / col if col is not None else x
+    ng = num_groups(hd, group)
+    pad = ng * group - hd
+    rp = np.pad(r, ((0, 0), (0, pad))) if pad else r
+    rg = rp.reshape(n, ng, group)
+    # Rust's f32::max ignores a NaN operand: fmax does the same.
+    with np.errstate(invalid="ignore"):
+        absmax = np.fmax.reduce(np.abs(rg), axis=2)
+        s = np.fmax(absmax / _Q_MAX, SCALE_FLOOR).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        qf = round_half_away(rg / s[:, :, None])
+        qf = np.clip(qf, -_Q_MAX, _Q_MAX)
+    qf = np.nan_to_num(qf, nan=0.0)
+    q = qf.astype(np.int8).reshape(n, ng * group)[:, :hd]
+    return np.ascontiguousarray(q), s
+
+
+def dequantize_rows(q: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
+    """``q * s`` per group, float32 ``[n, hd]`` (without the field)."""
+    n, hd = q.shape
+    idx = np.arange(hd) // group
+    return q.astype(np.float32) * s[:, idx]
+
+
+def field_rms(rows: np.ndarray) -> np.ndarray:
+    """The 2f field over dequantized rows ``[n, hd]``: RMS per channel, floor 1e-6.
+
+    The sum of squares is taken in row order (the seed's loop), float32.
+    """
+    acc = np.zeros(rows.shape[1], dtype=np.float32)
+    for p in range(rows.shape[0]):
+        r = rows[p]
+        acc += r * r
+    return np.maximum(np.sqrt(acc / np.float32(rows.shape[0])), FIELD_FLOOR).astype(np.float32)

@@ -1,0 +1,183 @@
+"""The NumPy reference backend: every kernel, written to be obviously right.
+
+Bit-exact invariants (docs/kernels.md) hold here by construction:
+
+* every Q head is scored and normalised on its own (a per-head gemv over the
+  visible rows), so a group equals its heads one by one;
+* only the visible slice ``[first, n)`` is ever handed to a BLAS call, and a
+  slice of the same rows gives the same bits wherever it sits in memory, so a
+  trimmed tail equals the untrimmed cache and ``upto`` equals the sequential
+  call;
+* the softmax denominator is summed sequentially (``cumsum``), so zeros in
+  front of the window (the ``-inf``-masked full row) change nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import quant
+from .backend import Backend
+from .modes import KV_K_GROUP
+
+_SKIP = np.float32(1e-12)
+
+
+def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
+    """``⟨q[h], k[g, p]⟩`` for p in ``[first, n)``, ``[nh, n-first]`` float32 (unscaled)."""
+    nh = q.shape[0]
+    span = n - first
+    out = np.empty((nh, span), dtype=np.float32)
+    if st.k is not None:
+        rows = st.k[g, first:n]
+        for h in range(nh):
+            out[h] = rows @ q[h]
+        return out
+    # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order.
+    hd = st.head_dim
+    kq = st.kq[g, first:n].astype(np.float32)
+    ks = st.ks[g, first:n]
+    qc = q * st.kcol[g] if st.kcol_set[g] else q
+    for h in range(nh):
+        acc = np.zeros(span, dtype=np.float32)
+        for j in range(st.ngk):
+            j0, j1 = j * KV_K_GROUP, min((j + 1) * KV_K_GROUP, hd)
+            acc += (kq[:, j0:j1] @ qc[h, j0:j1]) * ks[:, j]
+        out[h] = acc
+    return out
+
+
+def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
+    """Per-row softmax in place semantics of the seed: max (with the sink),
+    exp, a SEQUENTIAL sum (plus the sink's share), divide when the sum > 0."""
+    nh = s.shape[0]
+    p = np.empty_like(s)
+    for h in range(nh):
+        row = s[h]
+        m = row.max()
+        if sinks is not None:
+            m = max(m, sinks[h])
+        e = np.exp(row - m)
+        z = np.cumsum(e, dtype=np.float32)[-1]
+        if sinks is not None:
+            z = np.float32(z + np.exp(np.float32(sinks[h] - m)))
+        p[h] = e / z if z > 0 else e
+    return p
+
+
+def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
+    """``Σ_p prob[h, p] · v[g, p]`` over ``[first, n)`` for each head."""
+    nh = p.shape[0]
+    hd = st.head_dim
+    out = np.empty((nh, hd), dtype=np.float32)
+    if st.v is not None:
+        rows = st.v[g, first:n]
+        for h in range(nh):
+            w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
+            out[h] = w @ rows
+        return out
+    vq = st.vq[g, first:n].astype(np.float32)
+    vs = st.vs[g, first:n]
+    for h in range(nh):
+        w = p[h] * vs
+        w = np.where(np.abs(w) < _SKIP, np.float32(0), w)
+        out[h] = w @ vq
+    if st.vcol_set[g]:
+        out *= st.vcol[g]
+    return out
+
+
+def attend_rows(st, g, q, *, scale, first, n, softcap, sinks):
+    """(out [nh, hd], probs [nh, n-first]) of KV head ``g`` over ``[first, n)``."""
+    s = key_scores(st, g, q, first, n) * np.float32(scale)
+    if softcap > 0:
+        c = np.float32(softcap)
+        s = c * np.tanh(s / c)
+    p = softmax_rows(s, sinks)
+    return value_pass(st, g, p, first, n), p
+
+
+class ReferenceBackend(Backend):
+    """NumPy, float32, every kernel. The oracle of the exact class."""
+
+    name = "reference"
+    priority = 0
+    auto = True
+
+    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), upto)
+        if n == 0:
+            return np.zeros_like(q)
+        first = min(first, n - 1)
+        out, p = attend_rows(st, g, q, scale=scale, first=first, n=n, softcap=softcap, sinks=sinks)
+        if imp is not None:
+            m = min(imp.shape[0], n)
+            for h in range(q.shape[0]):
+                if m > first:
+                    imp[first:m] += p[h, : m - first]
+        return out
+
+    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        nkv = st.num_kv_heads
+        hpk = q.shape[0] // nkv
+        out = np.zeros_like(q)
+        for g in range(nkv):
+            n = int(st.lens[g])
+            first = max(0, n - window) if window else 0
+            hs = slice(g * hpk, (g + 1) * hpk)
+            out[hs] = self.attend_group(
+                q[hs], st, g, scale=scale, first=first, softcap=softcap,
+                sinks=None if sinks is None else sinks[hs], imp=imp,
+            )
+        return out
+
+    def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
+        n = s0 + b
+        nkv = st.num_kv_heads
+        nh = nkv * hpk
+        hd = st.head_dim
+        # The window bounds the keys of the whole chunk: O(b·(b+w)), not O(b·n).
+        lo0 = min(max(0, s0 + 1 - window), n) if window else 0
+        nk = n - lo0
+        rows = np.arange(b)
+        allowed = s0 + rows + 1 - lo0                        # exclusive end per row
+        lo = np.maximum(0, s0 + rows + 1 - window) - lo0 if window else np.zeros(b, dtype=np.int64)
+        cols = np.arange(nk)
+        mask = (cols[None, :] >= lo[:, None]) & (cols[None, :] < allowed[:, None])
+        out = np.empty((b, nh, hd), dtype=np.float32)
+        for g in range(nkv):
+            kmat = st.k[g, lo0:n]
+            vmat = st.v[g, lo0:n]
+            qg = q[:, g * hpk:(g + 1) * hpk, :]               # [b, hpk, hd]
+            s = np.einsum("bhd,kd->hbk", qg, kmat, optimize=True) * np.float32(scale)
+            s = np.where(mask[None], s, -np.inf)
+            s -= s.max(axis=2, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=2, keepdims=True)
+            out[:, g * hpk:(g + 1) * hpk, :] = np.einsum("hbk,kd->bhd", s, vmat, optimize=True)
+            if imp is not None:
+                ni = min(imp.shape[0], n)
+                if ni > lo0:
+                    imp[lo0:ni] += s.sum(axis=(0, 1))[: ni - lo0]
+        return out
+
+    def quantize_rows(self, x, col, group):
+        return quant.quantize_rows(x, col, group)
+
+    def gather_rows(self, rows, idx):
+        return rows[idx]
+
+    def bounded_attend(self, *args, **kwargs):
+        from .bounded import bounded_attend
+
+        return bounded_attend(*args, **kwargs)
+
+    def nystrom_prefill(self, *args, **kwargs):
+        from .nystrom import nystrom_prefill
+
+        return nystrom_prefill(*args, **kwargs)
+
+    def nystrom_step(self, *args, **kwargs):
+        from .nystrom import nystrom_step
+
+        return nystrom_step(*args, **kwargs)

@@ -1,0 +1,141 @@
+"""Backend discovery and selection (``KVREG_BACKEND``, ``KVREG_DEVICE``).
+
+Backends arrive through pluggy: the default plugin (the NumPy reference) and
+every entry point in the group ``kvreg``. The list is cached; :func:`refresh`
+rebuilds it (tests register throw-away plugins that way). A plugin that fails
+to load warns and the rest still work.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import pluggy
+
+from . import hookspecs
+from .backend import Backend
+from .errors import BackendError
+
+_lock = threading.Lock()
+_backends: dict[str, type[Backend]] | None = None
+_load_errors: dict[str, str] = {}
+_extra_plugins: list[object] = []
+_instances: dict[tuple[str, str | None], Backend] = {}
+
+DEFAULT_PLUGINS = ("kvreg._reference_plugin",)
+
+
+def _collect() -> dict[str, type[Backend]]:
+    import importlib
+
+    pm = pluggy.PluginManager("kvreg")
+    pm.add_hookspecs(hookspecs)
+    for modname in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    _load_errors.clear()
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="kvreg"):
+        try:
+            pm.register(ep.load(), name=f"entrypoint:{ep.name}")
+        except Exception as exc:  # a broken plugin must not take the others down
+            _load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"kvreg: backend plugin {ep.name!r} failed to load: {exc}", stacklevel=3)
+    for plugin in _extra_plugins:
+        pm.register(plugin)
+    found: dict[str, type[Backend]] = {}
+
+    def register(cls: type) -> None:
+        if not (isinstance(cls, type) and issubclass(cls, Backend)):
+            raise BackendError(f"register() takes a kvreg.backend.Backend subclass, got {cls!r}")
+        if cls.name in found and found[cls.name] is not cls:
+            warnings.warn(f"kvreg: two backends named {cls.name!r}; keeping the first", stacklevel=2)
+            return
+        found[cls.name] = cls
+
+    pm.hook.kvreg_register_backends(register=register)
+    return found
+
+
+def backends() -> dict[str, type[Backend]]:
+    """Registered backend classes by name (cached; see :func:`refresh`)."""
+    global _backends
+    with _lock:
+        if _backends is None:
+            _backends = _collect()
+        return dict(_backends)
+
+
+def load_errors() -> dict[str, str]:
+    """Entry points that failed to load, with why."""
+    backends()
+    return dict(_load_errors)
+
+
+def refresh() -> None:
+    """Forget the cached backend list and instances."""
+    global _backends
+    with _lock:
+        _backends = None
+        _instances.clear()
+
+
+def register_plugin(plugin: object) -> None:
+    """Register a plugin object in-process (tests, notebooks), then refresh."""
+    _extra_plugins.append(plugin)
+    refresh()
+
+
+def unregister_plugin(plugin: object) -> None:
+    if plugin in _extra_plugins:
+        _extra_plugins.remove(plugin)
+    refresh()
+
+
+def _auto(device: str | None) -> Backend:
+    tried = []
+    for cls in sorted(backends().values(), key=lambda c: -c.priority):
+        if not cls.auto:
+            continue
+        try:
+            return _instantiate(cls, device)
+        except BackendError as exc:
+            tried.append(f"{cls.name}: {exc}")
+    raise BackendError("no CPU backend could start: " + "; ".join(tried))
+
+
+def _instantiate(cls: type[Backend], device: str | None) -> Backend:
+    key = (cls.name, device)
+    inst = _instances.get(key)
+    if inst is None:
+        inst = cls(device) if device is not None else cls()
+        _instances[key] = inst
+    return inst
+
+
+def get_backend(name: str | None = None, device: str | None = None) -> Backend:
+    """The backend ``name`` on ``device``; None reads ``KVREG_BACKEND`` /
+    ``KVREG_DEVICE``. Unset or ``auto``: the best installed CPU backend.
+
+    Instances are shared per (name, device): backends hold compiled programs
+    and device contexts worth reusing.
+    """
+    if name is None:
+        name = os.environ.get("KVREG_BACKEND", "").strip() or "auto"
+    if device is None:
+        device = os.environ.get("KVREG_DEVICE", "").strip() or None
+    if isinstance(name, Backend):
+        return name
+    name = name.lower()
+    if name == "auto":
+        return _auto(device)
+    found = backends()
+    if name not in found:
+        names = ", ".join(sorted(found)) or "none"
+        hint = ""
+        if name in _load_errors:
+            hint = f" (its plugin failed to load: {_load_errors[name]})"
+        raise BackendError(f"unknown kvreg backend {name!r}{hint}; registered: {names}, or 'auto'")
+    return _instantiate(found[name], device)

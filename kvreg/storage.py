@@ -1,0 +1,216 @@
+"""The storage interface: one layer's rows, head-major (docs/kernels.md).
+
+:class:`LayerStorage` owns the arrays every kernel reads. Head ``h``'s rows
+are contiguous (``block[h, :lens[h]]``), so a per-head attend reads a straight
+slice and a layer kernel can stride over heads. Capacity doubles as rows
+arrive (amortized O(1) appends, never a copy of everything per token).
+
+Contract for code that mutates storage (the layer does, kernels never do):
+
+* ``generation`` takes a fresh process-wide value on every change a device
+  copy cannot follow by its row count (clear, trim, eviction, import, seal);
+  appends and truncations keep it (the seed's rule).
+* ``truncate_last`` keeps the generation, so it bumps ``edits`` and logs the
+  per-head row counts it left: :meth:`edit_floor` tells a mirror which of its
+  rows may since have been rewritten.
+* Dead heads (``alive[h] == False`` at append) store nothing: their ``lens``
+  stay, and their pages of the blocks are never written, so never faulted in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import numpy as np
+
+from .modes import KV_K_GROUP, KvMode
+from .quant import num_groups
+
+_GEN = itertools.count(1)
+
+
+def next_generation() -> int:
+    """A process-wide fresh storage generation (``next`` on a count is atomic)."""
+    return next(_GEN)
+
+
+_FLOOR_LOG = 64
+
+
+class LayerStorage:
+    """Rows of one layer in the layout of docs/kernels.md."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode):
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.mode = mode
+        self.ngk = num_groups(head_dim, KV_K_GROUP)
+        self.cap = 0
+        self.lens = np.zeros(num_kv_heads, dtype=np.int64)
+        self.seq_len = 0
+        self._imp = np.zeros(0, dtype=np.float32)
+        self.k = self.v = self.kq = self.ks = self.vq = self.vs = None
+        self.kcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
+        self.vcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
+        self.kcol_set = np.zeros(num_kv_heads, dtype=bool)
+        self.vcol_set = np.zeros(num_kv_heads, dtype=bool)
+        self.generation = next_generation()
+        self.edits = 0
+        self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
+
+    # ── views ──
+
+    @property
+    def imp(self) -> np.ndarray:
+        """Accumulated attention mass per stored row (a view, ``[seq_len]``)."""
+        return self._imp[: self.seq_len]
+
+    def block_names(self) -> tuple[str, ...]:
+        names = ("kq", "ks") if self.mode.quant_k else ("k",)
+        return names + (("vq", "vs") if self.mode.quant_v else ("v",))
+
+    def head_rows(self, h: int) -> int:
+        return int(self.lens[h])
+
+    def field_frozen(self) -> bool:
+        """Whether the q8 field froze (the seed: any head's column is set)."""
+        return bool(self.kcol_set.any() or self.vcol_set.any())
+
+    # ── capacity ──
+
+    def _alloc(self, cap: int) -> dict[str, np.ndarray]:
+        nkv, hd = self.num_kv_heads, self.head_dim
+        shapes = {
+            "k": ((nkv, cap, hd), np.float32),
+            "v": ((nkv, cap, hd), np.float32),
+            "kq": ((nkv, cap, hd), np.int8),
+            "ks": ((nkv, cap, self.ngk), np.float32),
+            "vq": ((nkv, cap, hd), np.int8),
+            "vs": ((nkv, cap), np.float32),
+        }
+        # np.empty: pages a dead head never writes are never faulted in.
+        return {n: np.empty(*shapes[n]) for n in self.block_names()}
+
+    def reserve(self, rows: int) -> None:
+        """Capacity for ``rows`` rows per head, taken once (doubling)."""
+        if rows > self.cap:
+            new_cap = max(16, 2 * self.cap, rows)
+            fresh = self._alloc(new_cap)
+            for name, blk in fresh.items():
+                old = getattr(self, name)
+                if old is not None:
+                    for h in np.flatnonzero(self.lens):
+                        blk[h, : self.lens[h]] = old[h, : self.lens[h]]
+                setattr(self, name, blk)
+            self.cap = new_cap
+        if rows > self._imp.shape[0]:
+            imp = np.zeros(max(16, 2 * self._imp.shape[0], rows), dtype=np.float32)
+            imp[: self.seq_len] = self._imp[: self.seq_len]
+            self._imp = imp
+
+    def reserved_bytes(self) -> int:
+        """Bytes of capacity held (stored rows plus room to grow)."""
+        blocks = sum(getattr(self, n).nbytes for n in self.block_names() if getattr(self, n) is not None)
+        return blocks + self._imp.nbytes + self.kcol.nbytes + self.vcol.nbytes
+
+    def stored_bytes(self) -> int:
+        """Bytes of stored elements, counted as the seed's ``memory_bytes``."""
+        rows = int(self.lens.sum())
+        hd = self.head_dim
+        total = 0
+        total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * 4
+        total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * 4
+        total += int(self.kcol_set.sum() + self.vcol_set.sum()) * hd * 4
+        return total
+
+    # ── mutations (validated by the caller) ──
+
+    def append(self, k_rows, kq_rows, ks_rows, v_rows, vq_rows, vs_rows, alive: np.ndarray) -> None:
+        """Write one row per alive head (prepared arrays ``[n_alive, ...]``)."""
+        heads = np.flatnonzero(alive)
+        if heads.size:
+            self.reserve(int(self.lens[heads].max()) + 1)
+            at = self.lens[heads]
+            for name, rows in (("k", k_rows), ("kq", kq_rows), ("ks", ks_rows),
+                               ("v", v_rows), ("vq", vq_rows), ("vs", vs_rows)):
+                if rows is not None:
+                    getattr(self, name)[heads, at] = rows
+            self.lens[heads] += 1
+        self.reserve(self.seq_len + 1)
+        self._imp[self.seq_len] = 0.0
+        self.seq_len += 1
+
+    def truncate(self, d: int) -> None:
+        """Drop the last ``d`` rows of every head (generation kept)."""
+        self.lens = np.maximum(self.lens - d, 0)
+        self.seq_len = max(self.seq_len - d, 0)
+        self.edits += 1
+        self._floors.append((self.edits, self.lens.copy()))
+
+    def edit_floor(self, since: int) -> np.ndarray | None:
+        """Per-head minimum row count left by truncations after edit ``since``.
+
+        ``lens`` itself when none happened since; None when the log no longer
+        reaches back that far (the mirror must upload everything).
+        """
+        floor = self.lens.copy()
+        if since >= self.edits:
+            return floor
+        if not self._floors or self._floors[0][0] > since + 1:
+            return None
+        for no, lens in self._floors:
+            if no > since:
+                np.minimum(floor, lens, out=floor)
+        return floor
+
+    def drop_front(self, d: int) -> None:
+        """Drop the first ``d`` rows of every head (fewer for a shorter head)."""
+        for name in self.block_names():
+            blk = getattr(self, name)
+            for h in range(self.num_kv_heads):
+                n, dh = int(self.lens[h]), min(d, int(self.lens[h]))
+                if dh:
+                    blk[h, : n - dh] = blk[h, dh:n]
+        self.lens = np.maximum(self.lens - d, 0)
+        di = min(d, self.seq_len)
+        self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
+        self.seq_len -= di
+        self.generation = next_generation()
+
+    def gather(self, kept: np.ndarray, gather_rows) -> None:
+        """Keep rows ``kept`` (ascending) of every head, each storage on its own.
+
+        Each block is gathered independently (the seed's review regression:
+        in mixed q8k/q8v modes K and V live in different storages).
+        """
+        for name in self.block_names():
+            blk = getattr(self, name)
+            for h in range(self.num_kv_heads):
+                n = int(self.lens[h])
+                if n == 0:
+                    continue
+                idx = kept[kept < n]
+                blk[h, : idx.size] = gather_rows(blk[h], idx)
+        self.lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
+        imp = self._imp[kept].copy()
+        self._imp[: kept.size] = imp
+        self.seq_len = int(kept.size)
+        self.generation = next_generation()
+
+    def clear(self) -> None:
+        """Forget every row and the q8 field; capacity is kept for reuse."""
+        self.lens[:] = 0
+        self.seq_len = 0
+        self.kcol_set[:] = False
+        self.vcol_set[:] = False
+        self.kcol[:] = 1.0
+        self.vcol[:] = 1.0
+        self.generation = next_generation()
+
+    def release(self) -> None:
+        """Clear and give the capacity back (an O(1) seal's memory claim)."""
+        self.clear()
+        self.k = self.v = self.kq = self.ks = self.vq = self.vs = None
+        self.cap = 0
+        self._imp = np.zeros(0, dtype=np.float32)

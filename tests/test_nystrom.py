@@ -1,0 +1,295 @@
+"""The O(1) Nyström far-field state: estimator, lifecycle, refusals."""
+
+import types
+
+import numpy as np
+import pytest
+
+import kvreg.nystrom as ny
+from kvreg.errors import ConfigError, ShapeError, StateError
+from kvreg.nystrom import FarField, NystromState, O1Rect, o1_deferred_boundary
+from kvreg.testing.nystrom_oracle import nystrom_oracle
+from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+
+
+def group_data(rows, hpk=2, hd=16, seed=0):
+    """One KV group of realistic data: (q [hpk, rows, hd], k, v [rows, hd], scale)."""
+    d = realistic_qkv(rows, hpk, 1, hd, seed=seed)
+    return np.ascontiguousarray(d.q.transpose(1, 0, 2)), d.k[:, 0], d.v[:, 0], d.scale
+
+
+def sealed(t0, rows, m=8, w=16, sink=4, hpk=2, hd=16, seed=0, **kw):
+    q, k, v, scale = group_data(rows, hpk, hd, seed)
+    st = NystromState.new_group(m, w, sink, hpk, scale=scale, **kw)
+    st.prefill_group([q[h, :t0] for h in range(hpk)], k[:t0], v[:t0])
+    return st, q, k, v, scale
+
+
+def exact_out(q, k, v, scale, pos):
+    """Exact attention of q[:, pos] over rows [0, pos]: [hpk, hd] float64."""
+    return exact_attention_f64(q[:, pos][None], k[:pos + 1, None], v[:pos + 1, None], scale)[0]
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+# ── the estimator
+
+def test_steps_match_f64_oracle():
+    t0, rows = 120, 160
+    st, q, k, v, scale = sealed(t0, rows)
+    for p in range(t0, rows):
+        out = st.step_group(q[:, p], k[p], v[p])
+        if p % 8 == 0 or p == rows - 1:
+            ref = nystrom_oracle(q[:, :t0], k, v, t0, p, q[:, p], m=8, w=16, sink=4, scale=scale,
+                                 rcond=st.rcond)
+            assert rel(out, ref).max() < 1e-4, p
+
+
+def test_attend_right_after_seal_matches_oracle():
+    st, q, k, v, scale = sealed(100, 100)
+    ref = nystrom_oracle(q[:, :100], k, v, 100, 99, q[:, 99], m=8, w=16, sink=4, scale=scale,
+                                 rcond=st.rcond)
+    assert rel(st.attend_group(q[:, 99]), ref).max() < 1e-4
+
+
+def test_exact_only_state_equals_exact_attention():
+    # t0 = 12 <= sink + w = 20: no far rows, every step stays within the window
+    st, q, k, v, scale = sealed(12, 20)
+    assert st.exact_only
+    for p in range(12, 20):
+        out = st.step_group(q[:, p], k[p], v[p])
+        assert rel(out, exact_out(q, k, v, scale, p)).max() < 1e-5
+
+
+def test_one_far_row_per_landmark_is_close_to_exact():
+    # far rows == m: K̃ and Q̃ are the rows themselves and the Nyström
+    # reconstruction exp(qK̃ᵀ)·pinv(exp(Q̃K̃ᵀ))·exp(Q̃Kᵀ) is exact in exact arithmetic
+    m, w, sink = 8, 16, 4
+    t = sink + w + m
+    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink, rcond=1e-12)
+    assert st.m_eff == m and st.far.rows == m
+    out = st.attend_group(q[:, t - 1])
+    assert rel(out, exact_out(q, k, v, scale, t - 1)).max() < 1e-5
+
+
+def test_estimate_is_not_trivially_exact_with_many_far_rows():
+    # the counterpart of the test above: with far rows >> m the estimate is
+    # an approximation, so the oracle comparisons are not vacuous
+    st, q, k, v, scale = sealed(200, 200)
+    out = st.attend_group(q[:, 199])
+    assert rel(out, exact_out(q, k, v, scale, 199)).max() > 1e-4
+
+
+def test_negative_far_denominator_drops_the_far_part():
+    rng = np.random.default_rng(0)
+    hpk, m, hd, e = 2, 4, 8, 5
+    q = rng.standard_normal((hpk, hd))
+    ke, ve = rng.standard_normal((e, hd)), rng.standard_normal((e, hd))
+    far = FarField(
+        k_tilde=rng.standard_normal((m, hd)), q_tilde=rng.standard_normal((hpk, m, hd)),
+        m_hat=np.tile(np.eye(m), (hpk, 1, 1)), r=np.zeros((hpk, m)), c=np.zeros((hpk, m)),
+        z=-np.ones((hpk, m)), theta=rng.standard_normal((hpk, m, hd)) * 1e3, rows=10,
+    )
+    assert np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), ny.nystrom_step(q, ke, ve, None, 0.3),
+                       rtol=1e-6, atol=1e-7)
+
+
+def test_far_part_contributes_when_denominator_positive():
+    rng = np.random.default_rng(0)
+    hpk, m, hd, e = 2, 4, 8, 5
+    q = rng.standard_normal((hpk, hd))
+    ke, ve = rng.standard_normal((e, hd)), rng.standard_normal((e, hd))
+    far = FarField(
+        k_tilde=rng.standard_normal((m, hd)), q_tilde=rng.standard_normal((hpk, m, hd)),
+        m_hat=np.tile(np.eye(m), (hpk, 1, 1)), r=np.zeros((hpk, m)), c=np.zeros((hpk, m)),
+        z=np.ones((hpk, m)), theta=np.full((hpk, m, hd), 50.0), rows=10,
+    )
+    with_far = ny.nystrom_step(q, ke, ve, far, 0.3)
+    assert not np.allclose(with_far, ny.nystrom_step(q, ke, ve, None, 0.3))
+
+
+# ── kernels
+
+def test_chunked_prefill_equals_single_block(monkeypatch):
+    rng = np.random.default_rng(1)
+    qt = rng.standard_normal((2, 4, 8))
+    kf, vf = rng.standard_normal((50, 8)), rng.standard_normal((50, 8))
+    whole = ny.nystrom_prefill(qt, kf, vf, 0.5)
+    monkeypatch.setattr(ny, "PREFILL_CHUNK", 7)
+    chunked = ny.nystrom_prefill(qt, kf, vf, 0.5)
+    for a, b in zip(whole, chunked):
+        assert np.allclose(a, b, rtol=1e-12, atol=0)
+
+
+def test_absorb_equals_prefill_over_one_more_row():
+    rng = np.random.default_rng(2)
+    qt = rng.standard_normal((2, 4, 8))
+    kf, vf = rng.standard_normal((30, 8)) * 3, rng.standard_normal((30, 8))
+    c, z, th = ny.nystrom_prefill(qt, kf[:29], vf[:29], 0.5)
+    far = FarField(np.zeros((4, 8)), qt, np.zeros((2, 4, 4)), np.zeros((2, 4)), c, z, th, 29)
+    ny.nystrom_absorb(far, kf[29], vf[29], 0.5)
+    c2, z2, th2 = ny.nystrom_prefill(qt, kf, vf, 0.5)
+    # same stabilizer, so the sums compare directly
+    assert np.array_equal(far.c, c2) and far.rows == 30
+    assert np.allclose(far.z, z2, rtol=1e-12) and np.allclose(far.theta, th2, rtol=1e-12)
+
+
+def test_landmarks_are_segment_means():
+    k = np.arange(10, dtype=np.float64)[:, None] * np.ones((1, 2))
+    q = np.stack([k, -k])
+    qt, kt = ny.landmarks(q, k, 3)  # segments [0,3) [3,6) [6,10)
+    assert np.allclose(kt[:, 0], [1.0, 4.0, 7.5]) and np.allclose(qt[1, :, 0], [-1.0, -4.0, -7.5])
+
+
+def test_state_uses_its_kernels_object():
+    calls = []
+
+    def step(*args):
+        calls.append("step")
+        return ny.nystrom_step(*args)
+
+    kern = types.SimpleNamespace(nystrom_prefill=ny.nystrom_prefill,
+                                 nystrom_absorb=ny.nystrom_absorb, nystrom_step=step)
+    st, q, k, v, _ = sealed(60, 61, kernels=kern)
+    st.step_group(q[:, 60], k[60], v[60])
+    assert calls == ["step"]
+
+
+# ── lifecycle: window, sinks, memory
+
+def test_window_holds_last_w_rows_after_steps():
+    t0, rows, w, sink = 60, 97, 16, 4
+    st, q, k, v, _ = sealed(t0, rows, w=w, sink=sink)
+    for p in range(t0, rows):
+        st.step_group(q[:, p], k[p], v[p])
+    wk, wv = st.window_rows()
+    assert np.array_equal(wk, k[rows - w:rows]) and np.array_equal(wv, v[rows - w:rows])
+    sk, sv = st.sink_rows()
+    assert np.array_equal(sk, k[:sink]) and np.array_equal(sv, v[:sink])
+
+
+def test_rows_leaving_the_window_join_the_far_field():
+    t0, steps = 60, 25
+    st, q, k, v, _ = sealed(t0, t0 + steps)
+    for p in range(t0, t0 + steps):
+        st.step_group(q[:, p], k[p], v[p])
+    assert st.far.rows == t0 + steps - 4 - 16 and st.seen == t0 + steps
+
+
+def test_memory_bytes_same_at_2k_and_8k_context():
+    sizes = []
+    for t in (2048, 8192):
+        q, k, v, scale = group_data(t, hpk=4, hd=64)
+        st = NystromState.new_group(16, 256, 4, 4, scale=scale)
+        st.prefill_group(q, k, v)
+        sizes.append(st.memory_bytes())
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_steps_grow_no_array():
+    st, q, k, v, _ = sealed(60, 140)
+
+    def shapes():
+        arrs = [st.exact_k, st.exact_v] + [getattr(st.far, f) for f in
+                                           ("k_tilde", "q_tilde", "m_hat", "r", "c", "z", "theta")]
+        return [a.shape for a in arrs], st.memory_bytes()
+
+    before = shapes()
+    for p in range(60, 140):
+        st.step_group(q[:, p], k[p], v[p])
+    assert shapes() == before
+
+
+def test_exact_only_state_drops_rows_leaving_a_full_window():
+    st, q, k, v, _ = sealed(12, 30)
+    for p in range(12, 30):
+        st.step_group(q[:, p], k[p], v[p])
+    assert st.dropped == 30 - 20 and np.array_equal(st.window_rows()[0], k[14:30])
+
+
+def test_prompt_shorter_than_sink_fills_sinks_first():
+    st, q, k, v, _ = sealed(2, 8, sink=4)
+    for p in range(2, 8):
+        st.step_group(q[:, p], k[p], v[p])
+    assert np.array_equal(st.sink_rows()[0], k[:4]) and np.array_equal(st.window_rows()[0], k[4:8])
+
+
+def test_m_eff_is_far_rows_when_fewer_than_m():
+    st, *_ = sealed(4 + 16 + 3, 23, m=8)
+    assert st.m_eff == 3
+
+
+def test_deferred_boundary_is_w_plus_sink_plus_m_plus_one():
+    assert o1_deferred_boundary(8, 2, 4) == 15
+
+
+def test_deferred_boundary_refuses_negative():
+    with pytest.raises(ConfigError, match="w must be an int >= 0"):
+        o1_deferred_boundary(-1, 2, 4)
+
+
+def test_rect_aggregate_is_the_default():
+    st = NystromState.new_group(4, 8, 2, 1, scale=1.0)
+    assert st.rect is O1Rect.Aggregate
+
+
+# ── refusals change nothing
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(m=0), "m must be"), (dict(w=0), "w must be"), (dict(sink=-1), "sink must be"),
+    (dict(hpk=0), "hpk must be"), (dict(scale=0.0), "scale must be"), (dict(rcond=0.0), "rcond"),
+])
+def test_bad_config_refused(kw, msg):
+    args = dict(m=4, w=8, sink=2, hpk=1, scale=1.0) | kw
+    with pytest.raises(ConfigError, match=msg):
+        NystromState(args.pop("m"), args.pop("w"), args.pop("sink"), args.pop("hpk"), **args)
+
+
+def test_prefill_with_wrong_query_count_refused_and_state_untouched():
+    q, k, v, scale = group_data(50)
+    st = NystromState.new_group(4, 8, 2, 2, scale=scale)
+    with pytest.raises(ShapeError, match="expected 2 query traces"):
+        st.prefill_group([q[0]], k, v)
+    assert not st.prefilled and st.memory_bytes() == 0
+
+
+def test_prefill_with_nan_refused():
+    q, k, v, scale = group_data(50)
+    k = k.copy()
+    k[10, 3] = np.nan
+    st = NystromState.new_group(4, 8, 2, 2, scale=scale)
+    with pytest.raises(ShapeError, match="finite"):
+        st.prefill_group(q, k, v)
+    assert not st.prefilled
+
+
+def test_second_prefill_refused():
+    st, q, k, v, _ = sealed(50, 50)
+    with pytest.raises(StateError, match="already prefilled"):
+        st.prefill_group(q, k, v)
+
+
+def test_step_before_prefill_refused():
+    st = NystromState.new_group(4, 8, 2, 2, scale=1.0)
+    with pytest.raises(StateError, match="before prefill"):
+        st.step_group(np.zeros((2, 16)), np.zeros(16), np.zeros(16))
+
+
+def test_step_with_bad_k_refused_and_state_untouched():
+    st, q, k, v, _ = sealed(60, 61)
+    far_before = st.far.z.copy(), st.far.rows
+    win_before = st.window_rows()
+    with pytest.raises(ShapeError, match=r"k_new \[16\]"):
+        st.step_group(q[:, 60], k[60, :8], v[60])
+    assert st.seen == 60 and st.far.rows == far_before[1]
+    assert np.array_equal(st.far.z, far_before[0])
+    assert np.array_equal(st.window_rows()[0], win_before[0])
+
+
+def test_step_with_nonfinite_v_refused():
+    st, q, k, v, _ = sealed(60, 61)
+    with pytest.raises(ShapeError, match="finite"):
+        st.step_group(q[:, 60], k[60], np.full(16, np.inf, dtype=np.float32))
+    assert st.seen == 60
