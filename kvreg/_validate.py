@@ -25,7 +25,9 @@ def _as_f32(name: str, x) -> np.ndarray:
         raise ShapeError(f"{name} must be an array of floats: {exc}") from None
     if arr.dtype.kind not in "biuf":
         raise ShapeError(f"{name} has dtype {arr.dtype}; expected float32 values")
-    return _as_f32(name, arr)
+    # Python numbers (decimal literals) are taken as float32 values: only a
+    # numpy array's explicit dtype is held to a lossless cast.
+    return arr.astype(np.float32)
 
 
 def _lossless(name: str, x: np.ndarray, dtype) -> np.ndarray:

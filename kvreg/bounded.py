@@ -133,6 +133,8 @@ class BoundedRope:
         """Rotated float32 copy of ``x[..., n, hd]``: row ``j`` at ``positions[j]``
         (or at ``start + j`` when ``start`` is given instead)."""
         hd, n = x.shape[-1], x.shape[-2]
+        if (positions is None) == (start is None):
+            raise ConfigError("BoundedRope.apply: give exactly one of positions or start")
         if start is None:
             cos, sin = self.cos_sin(positions, hd)
         else:

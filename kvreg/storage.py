@@ -112,7 +112,7 @@ class LayerStorage:
     def reserved_bytes(self) -> int:
         """Bytes of capacity held (stored rows plus room to grow)."""
         blocks = sum(getattr(self, n).nbytes for n in self.block_names() if getattr(self, n) is not None)
-        return blocks + self._imp.nbytes + self.kcol.nbytes + self.vcol.nbytes
+        return blocks + self._imp.nbytes
 
     def stored_bytes(self) -> int:
         """Bytes of stored elements, counted as the seed's ``memory_bytes``."""

@@ -357,7 +357,8 @@ def _trailing(r: _Reader) -> None:
 
 
 def _empty_rows(heads: int, hd: int, materialize: bool) -> list:
-    return [np.zeros((0, hd), np.float32) for _ in range(heads)] if materialize else [None] * heads
+    # Unmaterialized (inspect), heads is the peer's unchecked word: no list.
+    return [np.zeros((0, hd), np.float32) for _ in range(heads)] if materialize else []
 
 
 def _parse(mv: memoryview, expect: Expect | None, materialize: bool, notes) -> LayerState:

@@ -374,6 +374,15 @@ def test_rope_at_position_zero_is_the_identity():
     assert bits(BoundedRope().apply(x, [0])) == bits(x)
 
 
+@pytest.mark.parametrize("start", [0, 7, 123_456])
+def test_rope_range_tables_match_direct_evaluation(start):
+    rope = BoundedRope(theta=10000.0)
+    got_c, got_s = rope.cos_sin_range(start, 300, 64)
+    want_c, want_s = rope.cos_sin(np.arange(start, start + 300), 64)
+    np.testing.assert_allclose(got_c, want_c, rtol=0, atol=2e-7)
+    np.testing.assert_allclose(got_s, want_s, rtol=0, atol=2e-7)
+
+
 @pytest.mark.parametrize(
     "kw", [{"rotary_dims": 3}, {"rotary_dims": -2}, {"theta": 0.0}, {"theta": float("nan")}]
 )

@@ -624,21 +624,29 @@ def expect_for(blob, expect):
 @settings(max_examples=200_000 if LONG else 2_000, deadline=None, database=None,
           derandomize=not LONG, suppress_health_check=list(HealthCheck))
 @given(mutated())
-def test_fuzzed_blobs_raise_only_wire_error(case):
+def test_fuzzed_blobs_raise_only_wire_error_and_allocate_little(case):
     blob, expect = case
-    assert isinstance(inspect(blob), str)
-    for e in (expect, expect_for(blob, expect)):
+    tracemalloc.start()
+    try:
+        assert isinstance(inspect(blob), str)
+        accepted = []
+        for e in (expect, expect_for(blob, expect)):
+            try:
+                accepted.append((decode_layer(blob, e), e))
+            except WireError:
+                pass
         try:
-            got = decode_layer(blob, e)
+            decode_cache(blob)
         except WireError:
-            continue
-        # Whatever import accepts, export can write again.
+            pass
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # The blobs are under 300 bytes: no field may buy a large allocation.
+    assert peak < 256 << 10, peak
+    for got, e in accepted:  # whatever import accepts, export writes again
         if blob[:4] == b"CMFS":
             assert decode_layer(encode_layer(got, f16=bool(blob[21])), e).position == got.position
-    try:
-        decode_cache(blob)
-    except WireError:
-        pass
 
 
 # -------------------------------------------------------------- throughput
@@ -661,18 +669,24 @@ def test_throughput_16k_rows_8x128(capsys):
         return t
 
     dst = np.empty_like(big)
+    half = np.empty(big.shape, np.float16)
     t_copy = best(lambda: (np.copyto(dst, big), np.copyto(dst, big)))
-    lines = [f"memcpy of the state: {state_bytes / t_copy / 1e9:.2f} GB/s"]
-    worst = math.inf
+    t_cast = best(lambda: (np.copyto(half, big, casting="unsafe"), np.copyto(half, big, casting="unsafe")))
+    lines = [f"memcpy of the state: {state_bytes / t_copy / 1e9:.2f} GB/s",
+             f"numpy f32->f16 cast of the state (the f16 ceiling): {state_bytes / t_cast / 1e9:.2f} GB/s"]
+    got = {}
     for f16 in (False, True):
         blob = encode_layer(st_, f16=f16)
         te = best(lambda: encode_layer(st_, f16=f16))
         td = best(lambda: decode_layer(blob, Expect(heads, hd)))
         for what, t in (("encode", te), ("decode", td)):
-            gbs = state_bytes / t / 1e9
-            worst = min(worst, gbs)
-            lines.append(f"{what} {'f16' if f16 else 'f32'}: {gbs:.2f} GB/s of f32 state "
-                         f"({len(blob) / t / 1e9:.2f} GB/s of wire), {t_copy / t:.2f}× memcpy")
+            got[what, f16] = state_bytes / t / 1e9
+            lines.append(f"{what} {'f16' if f16 else 'f32'}: {got[what, f16]:.2f} GB/s of f32 state "
+                         f"({len(blob) / t / 1e9:.2f} GB/s of wire), {t_copy / t:.2f}x memcpy")
+    ceiling = state_bytes / t_cast / 1e9
+    lines.append(f"encode f16 / numpy cast: {got['encode', True] / ceiling:.2f}")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
-    assert worst >= 1.0, lines
+    assert min(got["encode", False], got["decode", False], got["decode", True]) >= 1.0, lines
+    # f16 encode is bounded by numpy's scalar f32->f16 cast: held to a ratio of it.
+    assert got["encode", True] >= 0.5 * ceiling, lines

@@ -1,0 +1,141 @@
+"""Accuracy of the q8_2f cache against exact attention, with and without its field.
+
+On :func:`kvreg.testing.realistic.realistic_qkv` data (RoPE, outlier K
+channels, a sink, log-normal values) every row is appended to one layer per
+configuration: an ``f32`` baseline and each q8 mode (``q8`` = K and V,
+``q8k``, ``q8v``), with the per-channel 2f field (the real cache) and without
+it (every row quantized against ``col = 1``). Then the last ``queries``
+positions are decoded: Q head ``h`` of position ``i`` attends the rows
+``[0, i]`` of its group through the public ``attend_group(..., upto=i+1)``
+(bit-identical to the call made when the layer held exactly ``i+1`` rows), its
+probabilities read back through ``imp_acc``. Each output and probability row
+is compared with :func:`~kvreg.testing.realistic.exact_attention_f64` on the
+original float32 data:
+
+* output relative error ``‖o−ô‖/‖o‖``, median and p99 over (position, head);
+* probability L1 ``Σ_p |p−p̂|``, median and p99;
+* bytes per stored K/V element (``memory_bytes`` over ``2·rows·nkv·hd``).
+
+The no-field arm is a layer whose freeze does nothing: the report's own
+subclass, so the core cache is measured unmodified.
+
+Run it: ``python -m kvreg.testing.q8_report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kvreg.layer import LayerKvCache
+from kvreg.modes import KvMode
+from kvreg.testing.realistic import error_report, exact_attention_f64, realistic_qkv
+
+__all__ = ["q8_accuracy", "format_q8_table"]
+
+
+class _NoFieldLayer(LayerKvCache):
+    """A q8 layer without the 2f field: the freeze never happens, so every row
+    stays quantized against ``col = 1`` (the per-row/per-group scales only)."""
+
+    def _freeze_field(self) -> None:
+        return None
+
+
+def _decode(layer: LayerKvCache, q: np.ndarray, first_pos: int, hpk: int, scale: float):
+    """Outputs ``[nq, nh, hd]`` and probabilities ``[nq, nh, rows]`` of the
+    queries ``q [nq, nh, hd]`` at positions ``first_pos + i``, head by head."""
+    nq, nh, hd = q.shape
+    rows = layer.seq_len
+    out = np.zeros((nq, nh, hd), dtype=np.float32)
+    probs = np.zeros((nq, nh, rows), dtype=np.float32)
+    for i in range(nq):
+        upto = first_pos + i + 1
+        for h in range(nh):
+            acc = probs[i, h]
+            out[i, h] = layer.attend_group(q[i, h][None, :], h // hpk, scale=scale, upto=upto, imp_acc=acc)[0]
+    return out, probs
+
+
+def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, seed: int = 0,
+                num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, queries: int = 32,
+                backend="reference", baseline: bool = True) -> list[dict]:
+    """Measure each q8 mode against the f64 exact attention.
+
+    ``field``: True (the real cache), False (no field) or an iterable of both,
+    e.g. ``(True, False)``. ``baseline`` adds the F32 row first. Returns one
+    dict per configuration: ``mode``, ``field`` (None for f32),
+    ``bytes_per_element``, ``rel_median``, ``rel_p99``, ``rel_max``,
+    ``prob_l1_median``, ``prob_l1_p99``, ``n`` (the (position, head) pairs).
+    """
+    fields = (bool(field),) if isinstance(field, (bool, np.bool_)) else tuple(bool(f) for f in field)
+    queries = min(int(queries), int(rows))
+    data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed)
+    hpk = num_heads // num_kv_heads
+    first_pos = rows - queries
+    qs = data.q[first_pos:]
+    ref_out, ref_probs = exact_attention_f64(qs, data.k, data.v, data.scale, return_probs=True)
+
+    configs = [(KvMode.F32, None)] if baseline else []
+    configs += [(KvMode.parse(m), f) for m in modes for f in fields]
+    results = []
+    for mode, f in configs:
+        cls = _NoFieldLayer if f is False else LayerKvCache
+        layer = cls(num_kv_heads, head_dim, mode, backend)
+        for p in range(rows):
+            layer.append(data.k[p], data.v[p])
+        out, probs = _decode(layer, qs, first_pos, hpk, data.scale)
+        rep = error_report(out, ref_out, probs, ref_probs)
+        results.append({
+            "mode": mode.value,
+            "field": f,
+            "bytes_per_element": layer.memory_bytes() / (2 * rows * num_kv_heads * head_dim),
+            "rel_median": rep["rel_median"],
+            "rel_p99": rep["rel_p99"],
+            "rel_max": rep["rel_max"],
+            "prob_l1_median": rep["prob_l1_median"],
+            "prob_l1_p99": rep["prob_l1_p99"],
+            "n": int(rep["rel"].size),
+        })
+    return results
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.3f}%" if x < 0.01 else f"{100 * x:.2f}%"
+
+
+def format_q8_table(rows: list[dict]) -> str:
+    """A markdown table of :func:`q8_accuracy`'s rows."""
+    lines = [
+        "| mode | bytes/element | field | output err median | output err p99 | prob L1 median |",
+        "|---|---:|:---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fld = "—" if r["field"] is None else ("on" if r["field"] else "off")
+        lines.append(f"| {r['mode']} | {r['bytes_per_element']:.3f} | {fld} | {_pct(r['rel_median'])} | "
+                     f"{_pct(r['rel_p99'])} | {r['prob_l1_median']:.2e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m kvreg.testing.q8_report", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="reference")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    res = q8_accuracy(rows=a.rows, field=(True, False), seed=a.seed, num_heads=a.heads, num_kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, queries=a.queries, backend=a.backend)
+    print(f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed}, "
+          f"last {min(a.queries, a.rows)} positions, backend {a.backend} ({time.perf_counter() - t0:.1f} s)\n")
+    print(format_q8_table(res))
+
+
+if __name__ == "__main__":
+    main()

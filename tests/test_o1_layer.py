@@ -1,0 +1,187 @@
+"""The O(1) seal lifecycle on a layer: the seed's tests and its validation."""
+
+import numpy as np
+import pytest
+
+from kvreg import EvictionPolicy, KvCache, KvMode, LayerKvCache, SealError, StateError
+from kvreg.nystrom import O1Rect
+from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+
+
+def layer(nkv=1, hd=4, mode=KvMode.F32):
+    return LayerKvCache(nkv, hd, mode, "reference")
+
+
+def test_o1_batch_ending_on_boundary_does_not_cross_it():
+    B = 19
+    lay = KvCache(1, 1, 4, 64, mode="f32", backend="reference").layers[0]
+    lay.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
+    for _ in range(B - 3):
+        lay.o1_push_q(np.full(8, 0.1, np.float32))
+        lay.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))
+    assert not lay.o1_boundary_crossed_by(1)
+    assert not lay.o1_boundary_crossed_by(3), "ends on B: exact rows only"
+    assert lay.o1_boundary_crossed_by(4), "row B+1 must not be exact"
+    for _ in range(3):
+        lay.o1_push_q(np.full(8, 0.1, np.float32))
+        lay.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))
+    assert lay.o1_boundary_crossed_by(1), "at B every row is past it"
+
+
+def test_walk_boundary_env_walks_a_batch_ending_on_it(monkeypatch):
+    lay = layer()
+    lay.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, 5)
+    monkeypatch.setenv("KVREG_O1_WALK_BOUNDARY", "1")
+    assert lay.o1_boundary_crossed_by(5)
+    monkeypatch.delenv("KVREG_O1_WALK_BOUNDARY")
+    assert not lay.o1_boundary_crossed_by(5)
+
+
+@pytest.mark.parametrize("policy", [EvictionPolicy.Recent, EvictionPolicy.Born(sink=2)])
+def test_collecting_o1_eviction_retains_exact_storage_until_boundary(policy):
+    B = 19
+    q, k, v = np.full(8, 0.1, np.float32), np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32)
+    cache = KvCache(1, 1, 4, 6, policy, mode="f32", backend="reference")
+    cache.layers[0].o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
+    for pos in range(B):
+        cache.layers[0].o1_push_q(q)
+        cache.layers[0].append(k, v)
+        if pos + 1 < B:
+            cache.evict(3)
+    lay = cache.layers[0]
+    assert lay.seq_len == B, f"{policy} retained depth"
+    assert lay.head_len(0) == B and lay.head_keys(0).shape == (B, 4)
+    assert lay.storage.cap >= B
+    assert lay.o1_q_trace().size == B * 8, "the query trace covers the exact prefix"
+    assert lay.o1_seal_checked(2)
+    assert lay.storage.cap == 0 and lay.reserved_bytes() == 0, "K/V released after seal"
+    assert lay.seq_len == B
+
+
+def _prompt(t=96, nh=4, nkv=2, hd=16, seed=0):
+    d = realistic_qkv(t + 8, nh, nkv, hd, seed=seed)
+    return d
+
+
+def _collect(lay, d, t, nh):
+    for p in range(t):
+        lay.o1_push_q(d.q[p].ravel())
+        lay.append(d.k[p], d.v[p])
+
+
+def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
+    nh, nkv, hd, t = 4, 2, 16, 96
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    lay.o1_begin(16, 32, 4)
+    _collect(lay, d, t, nh)
+    mem_before = lay.memory_bytes()
+    assert lay.o1_seal(nh)
+    assert lay.o1_sealed() and lay.take_o1_transition() and not lay.take_o1_transition()
+    assert lay.memory_bytes() < mem_before
+    out = lay.o1_step(d.q[t], d.k[t], d.v[t], nh)
+    ref = exact_attention_f64(d.q[t:t + 1], d.k[:t + 1], d.v[:t + 1], 1 / np.sqrt(hd))[0]
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < 0.5, f"sealed step far from exact attention: {err}"
+    assert lay.seq_len == t + 1
+
+
+def test_seal_is_idempotent_and_a_plain_layer_is_not_a_participant():
+    nh, nkv, hd, t = 4, 2, 16, 64
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    lay.o1_begin(4, 16, 2)
+    _collect(lay, d, t, nh)
+    assert lay.o1_seal(nh)
+    groups = lay._o1.groups
+    assert lay.o1_seal(nh) and lay._o1.groups is groups
+    assert not layer(nkv, hd).o1_seal(nh)
+
+
+def test_seal_defers_below_the_boundary_floor():
+    lay = layer(1, 4)
+    lay.o1_begin(4, 8, 2)
+    for _ in range(10):
+        lay.o1_push_q(np.ones(4, np.float32))
+        lay.append(np.ones(4, np.float32), np.ones(4, np.float32))
+    assert not lay.o1_seal(1)
+    assert lay.o1_pending_boundary() == 8 + 2 + 4 + 1
+    assert lay.o1_collecting() and lay.take_o1_error() is None
+
+
+@pytest.mark.parametrize("case,match", [
+    ("q8", "dense F32"),
+    ("gqa", "GQA geometry"),
+    ("trace", "query trace"),
+    ("dead", "densely populated"),
+    ("m", "invalid geometry"),
+])
+def test_a_malformed_seal_latches_clears_and_refuses_appends(case, match):
+    hd = 32
+    lay = layer(2, hd, KvMode.Q8 if case == "q8" else KvMode.F32)
+    lay.o1_begin(2 if case == "m" else 4, 8, 2)
+    rows = 30
+    for p in range(rows):
+        if not (case == "trace" and p == 0):
+            lay.o1_push_q(np.full(4 * hd, 0.01, np.float32))
+        alive = [True, p > 0] if case == "dead" else None
+        lay.append(np.full(2 * hd, 0.1 * (p % 3), np.float32), np.ones(2 * hd, np.float32), alive)
+    with pytest.raises(SealError, match=match):
+        lay.o1_seal_checked(3 if case == "gqa" else 4)
+    assert lay.seq_len == rows, "the checked seal changes nothing"
+    assert not lay.o1_seal(3 if case == "gqa" else 4)
+    assert match in lay.take_o1_error()
+    assert lay.seq_len == 0 and lay.head_len(0) == 0
+    with pytest.raises(SealError):
+        lay.append(np.ones(2 * hd, np.float32), np.ones(2 * hd, np.float32))
+    assert lay.take_o1_error() is not None, "observing the error does not consume it"
+    lay.clear()
+    lay.append(np.ones(2 * hd, np.float32), np.ones(2 * hd, np.float32))
+    assert lay.seq_len == 1
+
+
+def test_sealed_layer_bypasses_trim_and_eviction_and_refuses_append():
+    nh, nkv, hd, t = 4, 2, 16, 64
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    lay.o1_begin(4, 16, 2)
+    _collect(lay, d, t, nh)
+    assert lay.o1_seal(nh)
+    assert lay.trim_window(4, 0, 1) == 0
+    lay.evict(3)
+    lay.evict_born(3, 1, 1)
+    assert lay.seq_len == t
+    with pytest.raises(StateError, match="o1_step"):
+        lay.append(d.k[t], d.v[t])
+
+
+def test_o1_memory_constant_in_context_after_the_seal():
+    nh, nkv, hd = 4, 2, 16
+    sizes = []
+    for t in (128, 512):
+        d = realistic_qkv(t, nh, nkv, hd, seed=1)
+        lay = layer(nkv, hd)
+        lay.o1_begin(8, 32, 4)
+        _collect(lay, d, t, nh)
+        assert lay.o1_seal(nh)
+        sizes.append(lay.o1_memory_bytes())
+        assert lay.memory_bytes() == sizes[-1]
+    assert sizes[0] == sizes[1]
+
+
+def test_query_stride_traces_one_row_in_stride():
+    nh, nkv, hd, t = 2, 1, 8, 41
+    d = realistic_qkv(t, nh, nkv, hd, seed=2)
+    lay = layer(nkv, hd)
+    lay.o1_begin(4, 8, 2)
+    lay.o1_set_q_stride(4)
+    for p in range(t):
+        if p % 4 == 0:
+            lay.o1_push_q(d.q[p].ravel())
+        lay.append(d.k[p], d.v[p])
+    assert lay.o1_seal_checked(nh)
+
+
+def test_o1_step_on_an_unsealed_layer_is_refused():
+    with pytest.raises(StateError):
+        layer(1, 4).o1_step(np.ones(4), np.ones(4), np.ones(4), 1)

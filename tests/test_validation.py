@@ -1,0 +1,120 @@
+"""Every bad input is a clear kvreg error, raised before anything changes."""
+
+import numpy as np
+import pytest
+
+from kvreg import ConfigError, KvCache, KvMode, KvregError, LayerKvCache, ShapeError, StateError
+
+
+def busy(mode=KvMode.F32):
+    c = LayerKvCache(2, 4, mode, "reference")
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        c.append(rng.standard_normal(8).astype(np.float32), rng.standard_normal(8).astype(np.float32))
+    c.accumulate_imp(np.arange(6, dtype=np.float32))
+    return c
+
+
+def state(c):
+    st = c.storage
+    return (c.seq_len, c.base, c.generation, c.tail_window, st.lens.tolist(), c.imp.tolist(),
+            [c.head_keys(h).tolist() for h in range(2)], [c.head_values(h).tolist() for h in range(2)],
+            st.kcol_set.tolist(), c.kv_abs_max() if False else None)
+
+
+Q2 = np.ones((2, 4), np.float32)
+
+BAD_CALLS = [
+    ("append wrong length", lambda c: c.append(np.ones(7, np.float32), np.ones(8, np.float32)), "expected (8,)"),
+    ("append wrong 2-d shape", lambda c: c.append(np.ones((4, 2), np.float32), np.ones(8, np.float32)),
+     "expected (8,) or (2, 4)"),
+    ("append lossy float64", lambda c: c.append(np.full(8, 0.1), np.ones(8, np.float32)), "float32"),
+    ("append complex", lambda c: c.append(np.ones(8, complex), np.ones(8, np.float32)), "float32"),
+    ("append strings", lambda c: c.append(["a"] * 8, np.ones(8, np.float32)), "float32"),
+    ("append alive wrong length", lambda c: c.append(np.ones(8, np.float32), np.ones(8, np.float32), [True]),
+     "2 booleans"),
+    ("attend head out of range", lambda c: c.attend(np.ones(4, np.float32), 2), "kv_head"),
+    ("attend wrong q", lambda c: c.attend(np.ones(5, np.float32), 0), "q"),
+    ("group first out of range", lambda c: c.attend_group(Q2, 0, scale=0.5, first=6), "first=6"),
+    ("group negative upto", lambda c: c.attend_group(Q2, 0, scale=0.5, upto=-1), "upto"),
+    ("group sink length", lambda c: c.attend_group(Q2, 0, scale=0.5, sinks=[1.0]), "one per Q head"),
+    ("group bad scale", lambda c: c.attend_group(Q2, 0, scale=0.0), "scale"),
+    ("group bad softcap", lambda c: c.attend_group(Q2, 0, scale=0.5, softcap=-1.0), "softcap"),
+    ("group imp not f32", lambda c: c.attend_group(Q2, 0, scale=0.5, imp_acc=np.zeros(6)), "imp_acc"),
+    ("layer heads not a multiple", lambda c: c.attend_layer(np.ones((3, 4), np.float32)), "multiple"),
+    ("layer window zero", lambda c: c.attend_layer(np.ones((2, 4), np.float32), window=0), "window"),
+    ("chunk rows mismatch", lambda c: c.attend_chunk(np.ones((2, 2, 4), np.float32), 2, 5, 1), "s0+b=7"),
+    ("truncate negative", lambda c: c.truncate_last(-1), "n_drop"),
+    ("trim bool", lambda c: c.trim_window(True, 0, 1), "w"),
+    ("evict negative", lambda c: c.evict(-2), "keep_last"),
+    ("evict_born float", lambda c: c.evict_born(2.5, 1, 1), "keep_last"),
+    ("head_len out of range", lambda c: c.head_len(-1), "kv_head"),
+    ("mode change with rows", lambda c: setattr(c, "mode", "q8"), "clear()"),
+    ("sinks 2-d", lambda c: setattr(c, "sinks", np.ones((2, 2), np.float32)), "1-D"),
+    ("o1_step unsealed", lambda c: c.o1_step(Q2, np.ones(8), np.ones(8), 2), "not sealed"),
+    ("bounded_step without ring", lambda c: c.bounded_step(Q2, np.ones(8), np.ones(8), None, None, 0.5, 2),
+     "install_bounded"),
+]
+
+
+@pytest.mark.parametrize("name,call,needle", BAD_CALLS, ids=[b[0] for b in BAD_CALLS])
+def test_bad_input_is_a_clear_error_and_changes_nothing(name, call, needle):
+    c = busy()
+    before = state(c)
+    with pytest.raises(KvregError) as exc:
+        call(c)
+    assert needle in str(exc.value), str(exc.value)
+    assert state(c) == before
+
+
+def test_q8_refuses_non_finite_rows_and_changes_nothing():
+    c = busy(KvMode.Q8)
+    before = (state(c), c.memory_bytes())
+    bad = np.ones(8, np.float32)
+    bad[3] = np.inf
+    with pytest.raises(ShapeError, match="inf/NaN"):
+        c.append(bad, np.ones(8, np.float32))
+    assert (state(c), c.memory_bytes()) == before
+
+
+def test_q8_accepts_non_finite_rows_of_a_dead_head():
+    c = LayerKvCache(2, 4, KvMode.Q8, "reference")
+    k = np.ones(8, np.float32)
+    k[5] = np.nan
+    c.append(k, np.ones(8, np.float32), np.array([True, False]))
+    assert c.head_len(0) == 1 and c.head_len(1) == 0
+
+
+def test_kv_mode_from_env(monkeypatch):
+    for value, mode in (("q8", KvMode.Q8), ("q8_2f", KvMode.Q8), ("q8k", KvMode.Q8K), ("q8v", KvMode.Q8V),
+                        ("f32", KvMode.F32), ("Q8", KvMode.Q8)):
+        monkeypatch.setenv("KVREG_KV", value)
+        assert KvMode.from_env() is mode
+    monkeypatch.delenv("KVREG_KV")
+    assert KvMode.from_env() is KvMode.F32
+    monkeypatch.setenv("KVREG_KV", "int4")
+    with pytest.raises(ConfigError, match="accepted: f32, q8, q8_2f, q8k, q8v"):
+        KvMode.from_env()
+
+
+def test_cache_refuses_bad_policy_and_sizes():
+    with pytest.raises(ConfigError, match="EvictionPolicy"):
+        KvCache(1, 1, 4, 8, policy="recent")
+    with pytest.raises(ShapeError, match="num_layers"):
+        KvCache(0, 1, 4, 8)
+
+
+def test_attends_from_threads_on_different_caches_agree_with_serial():
+    from concurrent.futures import ThreadPoolExecutor
+
+    caches = [busy() for _ in range(4)]
+    q = np.random.default_rng(1).standard_normal((4, 4)).astype(np.float32)
+    serial = [c.attend_layer(q, importance=False) for c in caches]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            par = list(pool.map(lambda c: c.attend_layer(q, importance=False), caches))
+            assert all(np.array_equal(a, b) for a, b in zip(serial, par))
+
+
+def test_state_error_is_a_runtime_error():
+    assert issubclass(StateError, RuntimeError) and issubclass(ShapeError, ValueError)
