@@ -256,7 +256,8 @@ class O1Mixin:
         return True
 
     def _nystrom_kernels(self):
-        return getattr(self.backend, "nystrom_kernels", None)
+        # The state calls nystrom_prefill/absorb/step on the layer's backend.
+        return self.backend
 
     # ── sealed decode ──
 

@@ -50,8 +50,12 @@ Kernels:
 ``gather_rows(rows, idx) -> rows[idx]``
     exact class.
 
-``bounded_attend(...)``, ``nystrom_prefill(...)``, ``nystrom_step(...)``
-    see :mod:`kvreg.bounded` and :mod:`kvreg.nystrom`.
+``bounded_attend(...)``
+    same signature and contract as :func:`kvreg.bounded.bounded_attend`.
+
+``nystrom_prefill(...)``, ``nystrom_absorb(...)``, ``nystrom_step(...)``
+    same signatures as in :mod:`kvreg.nystrom`; a sealed layer's
+    :class:`~kvreg.nystrom.NystromState` calls them on its layer's backend.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ KERNELS = (
     "gather_rows",
     "bounded_attend",
     "nystrom_prefill",
+    "nystrom_absorb",
     "nystrom_step",
 )
 

@@ -329,28 +329,34 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if not (lens == n).all():
             raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {lens.tolist()}")
         scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
-        st = self._st if self.mode is KvMode.F32 else self._dequantized_view(n)
-        return self.backend.attend_chunk(q, st, s0=s0, b=b, hpk=heads_per_kv, scale=scale, window=window,
-                                         imp=self._st.imp)
+        if self.mode is KvMode.F32:
+            return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
+                                             window=window, imp=self._st.imp)
+        # q8: dequantize only the key range the chunk reads, once per call; the
+        # kernel's masks are relative to its first row, so it sees the same rows.
+        lo = min(max(0, s0 + 1 - window), n) if window else 0
+        view = self._dequantized_view(lo, n)
+        return self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
+                                         imp=self._st.imp[lo:])
 
-    def _dequantized_view(self, n: int) -> LayerStorage:
-        """An F32 storage holding this layer's rows ``[0, n)`` dequantized."""
+    def _dequantized_view(self, lo: int, n: int) -> LayerStorage:
+        """An F32 storage holding this layer's rows ``[lo, n)`` dequantized."""
         src = self._st
         view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
-        view.reserve(n)
+        view.reserve(n - lo)
         hd = self.head_dim
         for h in range(self.num_kv_heads):
             if src.mode.quant_k:
-                rows = dequantize_rows(src.kq[h, :n], src.ks[h, :n], KV_K_GROUP)
-                view.k[h, :n] = rows * src.kcol[h] if src.kcol_set[h] else rows
+                rows = dequantize_rows(src.kq[h, lo:n], src.ks[h, lo:n], KV_K_GROUP)
+                view.k[h, : n - lo] = rows * src.kcol[h] if src.kcol_set[h] else rows
             else:
-                view.k[h, :n] = src.k[h, :n]
+                view.k[h, : n - lo] = src.k[h, lo:n]
             if src.mode.quant_v:
-                rows = dequantize_rows(src.vq[h, :n], src.vs[h, :n, None], hd)
-                view.v[h, :n] = rows * src.vcol[h] if src.vcol_set[h] else rows
+                rows = dequantize_rows(src.vq[h, lo:n], src.vs[h, lo:n, None], hd)
+                view.v[h, : n - lo] = rows * src.vcol[h] if src.vcol_set[h] else rows
             else:
-                view.v[h, :n] = src.v[h, :n]
-        view.lens[:] = n
+                view.v[h, : n - lo] = src.v[h, lo:n]
+        view.lens[:] = n - lo
         return view
 
     def accumulate_imp(self, probs) -> None:

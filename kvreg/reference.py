@@ -177,6 +177,11 @@ class ReferenceBackend(Backend):
 
         return nystrom_prefill(*args, **kwargs)
 
+    def nystrom_absorb(self, *args, **kwargs):
+        from .nystrom import nystrom_absorb
+
+        return nystrom_absorb(*args, **kwargs)
+
     def nystrom_step(self, *args, **kwargs):
         from .nystrom import nystrom_step
 

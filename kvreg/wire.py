@@ -126,6 +126,8 @@ class Expect:
     linear_wire_allowed: bool = True
 
     def __post_init__(self) -> None:
+        if self.kind in _KIND_VALUES:  # a plain int becomes the enum member
+            object.__setattr__(self, "kind", WireKind(self.kind))
         if self.num_kv_heads < 1 or self.head_dim < 1:
             raise ShapeError(f"Expect: {self.num_kv_heads}×{self.head_dim} is not a layer geometry")
         if self.kind not in (WireKind.Full, WireKind.Linear, WireKind.Bounded):
@@ -221,6 +223,8 @@ def encode_layer(state: LayerState, *, f16: bool) -> bytes:
     them. Raises WireError (a value does not fit, inconsistent position,
     missing ring) or ShapeError (an array of the wrong shape or dtype)."""
     f16 = bool(f16)
+    if state.kind not in _KIND_VALUES:
+        raise WireError(f"kv export: unknown wire kind {state.kind!r}")
     kind = WireKind(state.kind)
     base = _uint(state.base, "base", _U64_MAX)
     if kind in (WireKind.Full, WireKind.FullTail):
@@ -348,7 +352,7 @@ def _full_body(r: _Reader, expect: Expect | None, header_f16: bool | None):
         vs.append(pair[1][1])
     _check_rows(seq_len, rows_max, nimp, WireError, "kv import: ", at=start + 4)
     return dict(seq_len=seq_len, num_kv_heads=heads, head_dim=hd, linear_state=lin_a,
-                imp=imp_a, k=ks, v=vs, f16=f16, rows=rows_max)
+                imp=imp_a, k=ks, v=vs)
 
 
 def _trailing(r: _Reader) -> None:

@@ -119,10 +119,10 @@ def assert_same_state(got: LayerState, want: LayerState):
         assert arrays_equal_bits(g.ring_k, w.ring_k) and arrays_equal_bits(g.ring_v, w.ring_v)
 
 
-def layer(heads=2, hd=4, rows=3, *, base=0, seed=0, lin=0, identity=0, layer_no=0):
+def layer(heads=2, hd=4, rows=3, *, base=0, seed=0, lin=0, layer_no=0):
     rng = np.random.default_rng(seed)
     mk = lambda: rng.standard_normal((rows, hd)).astype(np.float32)  # noqa: E731
-    return LayerState(WireKind.Full, identity, layer_no, base + rows, base, rows, heads, hd,
+    return LayerState(WireKind.Full, 0, layer_no, base + rows, base, rows, heads, hd,
                       linear_state=rng.standard_normal(lin).astype(np.float32),
                       imp=rng.random(rows).astype(np.float32),
                       k=[mk() for _ in range(heads)], v=[mk() for _ in range(heads)])
@@ -233,7 +233,8 @@ def test_f16_nan_stays_nan():
 
 def test_full_layer_with_base_travels_as_full_tail():
     blob = encode_layer(layer(rows=3, base=10), f16=False)
-    assert (blob[20], struct.unpack_from("<Q", blob, 24)[0], struct.unpack_from("<Q", blob, 32)[0]) == (3, 13, 10)
+    kind, position, base = blob[20], *struct.unpack_from("<QQ", blob, 24)
+    assert (kind, position, base) == (3, 13, 10)
 
 
 def test_untrimmed_full_layer_is_byte_identical_full_record():
@@ -450,6 +451,19 @@ def test_refuses_f16_flag_other_than_0_or_1():
     refusal(patch(full_blob(), 21, "<B", 2), Expect(2, 4), "neither 0 nor 1")
 
 
+def test_refuses_full_body_f16_flag_other_than_0_or_1():
+    refusal(patch(full_blob(), BODY, "<I", 2), Expect(2, 4), "Full body f16 flag 2 is neither 0 nor 1")
+
+
+def test_inspect_reports_a_zero_window_ring():
+    blob = header(0, 0, 2, 0, 4) + u32(1, 4, 0, 0, 0)
+    assert "bounded record with window 0" in inspect(blob)
+
+
+def test_inspect_reports_zero_head_dim_with_heads():
+    assert "head_dim 0 with KV heads" in inspect(header(0, 0, 0, 0, 0) + u32(0, 0, 1, 0, 0, 0))
+
+
 def test_refuses_nonzero_reserved_field():
     refusal(patch(full_blob(), 22, "<H", 1), Expect(2, 4), "reserved field is 1")
 
@@ -522,6 +536,18 @@ def test_export_refuses_what_import_would_refuse():
         encode_layer(st_, f16=False)
 
 
+def test_export_refuses_an_unknown_kind():
+    st_ = layer()
+    st_.kind = 9
+    with pytest.raises(WireError, match="unknown wire kind 9"):
+        encode_layer(st_, f16=False)
+
+
+def test_expect_takes_a_plain_int_kind():
+    got = decode_layer(HAND_BUILT["linear_f16flag"], Expect(1, 4, identity=0xC0FFEE, kind=1))
+    assert got.kind is WireKind.Linear
+
+
 def test_export_refuses_float64_rows():
     st_ = layer()
     st_.k[0] = st_.k[0].astype(np.float64)
@@ -588,7 +614,8 @@ def test_inspect_walks_a_cache_container():
 
 # ------------------------------------------------------------------- fuzz
 
-SEEDS = [(HAND_BUILT[n], EXPECT[n]) for n in sorted(HAND_BUILT)]
+SEEDS = [(HAND_BUILT[n], EXPECT[n]) for n in sorted(HAND_BUILT)] + [
+    (encode_cache([HAND_BUILT["full_f32"], HAND_BUILT["linear_f16flag"]]), EXPECT["full_f32"])]
 EDGE_U32 = [0, 1, 2, 3, 4, 7, 8, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFC, 0xFFFFFFFF]
 
 

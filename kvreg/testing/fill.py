@@ -40,13 +40,21 @@ def kv_rows(rows: int, num_kv_heads: int, head_dim: int, seed: int = 0) -> tuple
 
 
 def filled_layer(rows: int, num_kv_heads: int, head_dim: int, *, mode="f32", backend=None,
-                 seed: int = 0, layer: int = 0) -> LayerKvCache:
-    """A :class:`LayerKvCache` holding ``rows`` rows of :func:`kv_rows` data,
-    equal (storage bit for bit) to appending them one by one."""
+                 seed: int = 0, layer: int = 0, k=None, v=None) -> LayerKvCache:
+    """A :class:`LayerKvCache` holding ``rows`` rows, equal (storage bit for
+    bit) to appending them one by one. The rows are :func:`kv_rows` data, or
+    ``k``, ``v`` (float32 head-major ``[num_kv_heads, >= rows, head_dim]``)."""
     lay = LayerKvCache(num_kv_heads, head_dim, KvMode.parse(mode), backend, layer=layer)
     if rows == 0:
         return lay
-    k, v = kv_rows(rows, num_kv_heads, head_dim, seed)
+    if k is None or v is None:
+        k, v = kv_rows(rows, num_kv_heads, head_dim, seed)
+    shape = (num_kv_heads, rows, head_dim)
+    for name, a in (("k", k), ("v", v)):
+        if a.ndim != 3 or a.shape[0] != shape[0] or a.shape[1] < rows or a.shape[2] != shape[2]:
+            raise ValueError(f"filled_layer: {name} must be [{num_kv_heads}, >= {rows}, {head_dim}], got {a.shape}")
+    k = np.asarray(k[:, :rows], dtype=np.float32)
+    v = np.asarray(v[:, :rows], dtype=np.float32)
     # Under q8 the append at seq_len == KV_COL_WARMUP freezes the field: run
     # it (and everything before) through the public path.
     head = min(rows, KV_COL_WARMUP + 1) if lay.mode.quantized else 0

@@ -30,7 +30,8 @@ import time
 import numpy as np
 
 from kvreg.layer import LayerKvCache
-from kvreg.modes import KvMode
+from kvreg.modes import KV_K_GROUP, KvMode
+from kvreg.quant import dequantize_rows
 from kvreg.testing.realistic import error_report, exact_attention_f64, realistic_qkv
 
 __all__ = ["q8_accuracy", "format_q8_table"]
@@ -59,20 +60,47 @@ def _decode(layer: LayerKvCache, q: np.ndarray, first_pos: int, hpk: int, scale:
     return out, probs
 
 
+def _dequantized(layer: LayerKvCache, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V rows the layer answers with, ``[rows, nkv, hd]`` float64
+    (``q · s · col``; f32 storage as stored)."""
+    st = layer.storage
+    nkv, hd = layer.num_kv_heads, layer.head_dim
+    k = np.empty((rows, nkv, hd))
+    v = np.empty((rows, nkv, hd))
+    for g in range(nkv):
+        if st.mode.quant_k:
+            col = st.kcol[g] if st.kcol_set[g] else np.float32(1)
+            k[:, g] = dequantize_rows(st.kq[g, :rows], st.ks[g, :rows], KV_K_GROUP) * col
+        else:
+            k[:, g] = st.k[g, :rows]
+        if st.mode.quant_v:
+            col = st.vcol[g] if st.vcol_set[g] else np.float32(1)
+            v[:, g] = dequantize_rows(st.vq[g, :rows], st.vs[g, :rows, None], hd) * col
+        else:
+            v[:, g] = st.v[g, :rows]
+    return k, v
+
+
 def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, seed: int = 0,
                 num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, queries: int = 32,
-                backend="reference", baseline: bool = True) -> list[dict]:
+                backend="reference", baseline: bool = True, **data_options) -> list[dict]:
     """Measure each q8 mode against the f64 exact attention.
 
     ``field``: True (the real cache), False (no field) or an iterable of both,
-    e.g. ``(True, False)``. ``baseline`` adds the F32 row first. Returns one
+    e.g. ``(True, False)``. ``baseline`` adds the F32 row first;
+    ``data_options`` go to :func:`realistic_qkv` (``outlier_channels``,
+    ``outlier_scale``, ``rope_theta``, ``sink_strength``). Returns one
     dict per configuration: ``mode``, ``field`` (None for f32),
     ``bytes_per_element``, ``rel_median``, ``rel_p99``, ``rel_max``,
-    ``prob_l1_median``, ``prob_l1_p99``, ``n`` (the (position, head) pairs).
+    ``prob_l1_median``, ``prob_l1_p99``, ``n`` (the (position, head) pairs),
+    ``key_rel_err`` / ``value_rel_err`` (``‖x̂−x‖/‖x‖`` over every stored
+    row), ``logit_err_rms`` (RMS of ``scale·⟨q, k̂−k⟩`` over the decoded
+    queries and all their rows) and ``sink_logit_err_rms`` (the same on row 0,
+    the attention sink).
     """
     fields = (bool(field),) if isinstance(field, (bool, np.bool_)) else tuple(bool(f) for f in field)
     queries = min(int(queries), int(rows))
-    data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed)
+    data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed, **data_options)
     hpk = num_heads // num_kv_heads
     first_pos = rows - queries
     qs = data.q[first_pos:]
@@ -88,6 +116,9 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, see
             layer.append(data.k[p], data.v[p])
         out, probs = _decode(layer, qs, first_pos, hpk, data.scale)
         rep = error_report(out, ref_out, probs, ref_probs)
+        kd, vd = _dequantized(layer, rows)
+        k64, v64 = data.k.astype(np.float64), data.v.astype(np.float64)
+        logit_err = np.einsum("qhd,nhd->qhn", qs.astype(np.float64), np.repeat(kd - k64, hpk, axis=1)) * data.scale
         results.append({
             "mode": mode.value,
             "field": f,
@@ -98,6 +129,10 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, see
             "prob_l1_median": rep["prob_l1_median"],
             "prob_l1_p99": rep["prob_l1_p99"],
             "n": int(rep["rel"].size),
+            "key_rel_err": float(np.linalg.norm(kd - k64) / np.linalg.norm(k64)),
+            "value_rel_err": float(np.linalg.norm(vd - v64) / np.linalg.norm(v64)),
+            "logit_err_rms": float(np.sqrt(np.mean(logit_err ** 2))),
+            "sink_logit_err_rms": float(np.sqrt(np.mean(logit_err[..., 0] ** 2))),
         })
     return results
 
@@ -128,11 +163,14 @@ def main(argv=None) -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="reference")
+    ap.add_argument("--outlier-scale", type=float, default=10.0, help="realistic_qkv's outlier_scale")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     res = q8_accuracy(rows=a.rows, field=(True, False), seed=a.seed, num_heads=a.heads, num_kv_heads=a.kv_heads,
-                      head_dim=a.head_dim, queries=a.queries, backend=a.backend)
-    print(f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed}, "
+                      head_dim=a.head_dim, queries=a.queries, backend=a.backend,
+                      outlier_scale=a.outlier_scale)
+    print(f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed} "
+          f"outlier_scale={a.outlier_scale}, "
           f"last {min(a.queries, a.rows)} positions, backend {a.backend} ({time.perf_counter() - t0:.1f} s)\n")
     print(format_q8_table(res))
 

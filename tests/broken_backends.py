@@ -1,0 +1,121 @@
+"""Deliberately broken backends: the conformance suite must fail each one.
+
+Each is a :class:`~kvreg.reference.ReferenceBackend` with one realistic bug.
+Loaded as a pytest plugin (``-p broken_backends``, with ``tests/`` on the
+path) it registers them with kvreg for that process only, through the same
+pluggy hook a real plugin uses.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from kvreg import registry
+from kvreg.hookspecs import hookimpl
+from kvreg.quant import num_groups
+from kvreg.reference import ReferenceBackend
+
+
+class HalfEvenRounding(ReferenceBackend):
+    """quantize_rows with np.round: ties to even, not away from zero."""
+
+    name = "broken_round"
+    auto = False
+
+    def quantize_rows(self, x, col, group):
+        x = np.asarray(x, dtype=np.float32)
+        n, hd = x.shape
+        r = x / col if col is not None else x
+        ng = num_groups(hd, group)
+        q = np.empty((n, hd), np.int8)
+        s = np.empty((n, ng), np.float32)
+        for j in range(ng):
+            blk = r[:, j * group:(j + 1) * group]
+            sj = np.maximum(np.nanmax(np.abs(blk), axis=1) / np.float32(127), np.float32(1e-12))
+            s[:, j] = sj
+            with np.errstate(invalid="ignore"):
+                q[:, j * group:(j + 1) * group] = np.nan_to_num(np.clip(np.round(blk / sj[:, None]), -127, 127))
+        return q, s
+
+
+class NoImportance(ReferenceBackend):
+    """attend_group that never adds the probabilities to imp."""
+
+    name = "broken_imp"
+    auto = False
+
+    def attend_group(self, q, st, g, *, imp=None, **kw):
+        return super().attend_group(q, st, g, imp=None, **kw)
+
+
+class WindowOffByOne(ReferenceBackend):
+    """attend_layer whose window holds one row too few."""
+
+    name = "broken_window"
+    auto = False
+
+    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        hpk = q.shape[0] // st.num_kv_heads
+        out = np.zeros_like(q)
+        for g in range(st.num_kv_heads):
+            n = int(st.lens[g])
+            first = min(max(0, n - window + 1), max(n - 1, 0)) if window else 0
+            hs = slice(g * hpk, (g + 1) * hpk)
+            out[hs] = self.attend_group(q[hs], st, g, scale=scale, first=first, softcap=softcap,
+                                        sinks=None if sinks is None else sinks[hs], imp=imp)
+        return out
+
+
+class DroppingGather(ReferenceBackend):
+    """gather_rows that skips the second kept row (and repeats the last)."""
+
+    name = "broken_gather"
+    auto = False
+
+    def gather_rows(self, rows, idx):
+        if idx.size >= 2:
+            idx = np.concatenate([idx[:1], idx[2:], idx[-1:]])
+        return rows[idx]
+
+
+class StaleMirror(ReferenceBackend):
+    """A device copy of the keys keyed on (generation, head) that uploads
+    only rows past what it holds: after truncate-then-append (same
+    generation, same row count) it answers from the dropped rows."""
+
+    name = "broken_mirror"
+    auto = False
+
+    def __init__(self, device=None):
+        super().__init__(device)
+        self._mirror: dict[tuple[int, int], np.ndarray] = {}
+
+    def attend_group(self, q, st, g, **kw):
+        if st.k is None:
+            return super().attend_group(q, st, g, **kw)
+        n = int(st.lens[g])
+        key = (st.generation, g)
+        rows = self._mirror.get(key, np.zeros((0, st.head_dim), np.float32))
+        if rows.shape[0] < n:
+            rows = np.concatenate([rows, st.k[g, rows.shape[0]:n]])
+            self._mirror[key] = rows
+        view = copy.copy(st)
+        view.k = st.k.copy()
+        view.k[g, :n] = rows[:n]
+        return super().attend_group(q, view, g, **kw)
+
+
+BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror)
+
+
+class _KvregPlugin:
+    @hookimpl
+    def kvreg_register_backends(self, register):
+        for cls in BROKEN:
+            register(cls)
+
+
+PLUGIN = _KvregPlugin()
+registry.register_plugin(PLUGIN)
