@@ -41,8 +41,8 @@ Kernels:
 ``attend_chunk(q, st, *, s0, b, hpk, scale, window, imp) -> out [b, nh, hd]``
     causal prefill of ``b`` rows already appended after ``s0``; row ``i``
     sees ``[max(0, s0+i+1-window), s0+i+1)``; ``imp`` gets the masked column
-    sums. F32 K and V only in the reference (see ``LayerKvCache.attend_chunk``
-    for q8 layers).
+    sums. F32 K and V only, unless the backend sets ``native_q8_chunk = True``
+    (otherwise the layer hands it a dequantized copy of the key range).
 
 ``quantize_rows(x, col, group) -> (q int8 [n, hd], s f32 [n, ceil(hd/group)])``
     ``col`` ``[hd]`` or ``[n, hd]`` or None; exact class (kvreg.quant).

@@ -329,7 +329,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if not (lens == n).all():
             raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {lens.tolist()}")
         scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
-        if self.mode is KvMode.F32:
+        if self.mode is KvMode.F32 or getattr(self.backend, "native_q8_chunk", False):
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
         # q8: dequantize only the key range the chunk reads, once per call; the

@@ -46,14 +46,22 @@ def kv_bytes(st) -> int:
     return sum(a.nbytes for a in (st.k, st.kq, st.ks, st.v, st.vq, st.vs) if a is not None)
 
 
-def timeit(fn, reps: int) -> float:
-    fn()  # warm-up (builds, JIT)
-    best = float("inf")
+def timeit(fns, reps: int) -> tuple[list[float], list[float]]:
+    """Best wall time and mean process CPU time (all threads) of each of
+    ``fns``, the calls INTERLEAVED rep by rep so a noisy shared machine slows
+    every contender alike. CPU time is the steadier figure when other jobs
+    share the cores; on a GPU only the wall time means anything."""
+    for fn in fns:
+        fn()  # warm-up (builds, JIT)
+    best = [float("inf")] * len(fns)
+    cpu = [0.0] * len(fns)
     for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        for i, fn in enumerate(fns):
+            c, t = time.process_time(), time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
+            cpu[i] += (time.process_time() - c) / reps
+    return best, cpu
 
 
 def main(argv=None):
@@ -78,15 +86,21 @@ def main(argv=None):
         m = mirror.DeviceMirror(dev)
         m.sync(st)
         nbytes = kv_bytes(st)
-        t_cl = timeit(lambda: kernels.attend_layer(m, q, lens=st.lens, scale=scale), a.reps)
-        line = f"{a.mode} rows={rows:6d}  opencl {t_cl*1e3:8.3f} ms {nbytes/t_cl/1e9:6.2f} GB/s"
+        fns = [lambda: kernels.attend_layer(m, q, lens=st.lens, scale=scale)]
         if nk is not None:
             kw = {n: getattr(st, n) for n in ("k", "kq", "ks", "kcol", "kcol_set", "v", "vq", "vs", "vcol", "vcol_set")}
-            t_nb = timeit(lambda: nk.attend_layer(q, st.lens, scale=scale, **kw), a.reps)
+            fns.append(lambda: nk.attend_layer(q, st.lens, scale=scale, **kw))
+        times, cpu = timeit(fns, a.reps)
+        t_cl = times[0]
+        line = (f"{a.mode} rows={rows:6d}  opencl {t_cl*1e3:8.3f} ms {nbytes/t_cl/1e9:6.2f} GB/s"
+                f" (cpu {cpu[0]*1e3:7.2f} ms)")
+        if nk is not None:
+            t_nb = times[1]
             o_cl, _ = kernels.attend_layer(m, q, lens=st.lens, scale=scale)
             o_nb = nk.attend_layer(q, st.lens, scale=scale, **kw)
             rel = float(np.abs(o_cl - o_nb).max() / np.abs(o_nb).max())
-            line += f"  numba {t_nb*1e3:8.3f} ms {nbytes/t_nb/1e9:6.2f} GB/s  opencl/numba {t_cl/t_nb:5.2f}x  maxrel {rel:.1e}"
+            line += (f"  numba {t_nb*1e3:8.3f} ms {nbytes/t_nb/1e9:6.2f} GB/s (cpu {cpu[1]*1e3:7.2f} ms)"
+                     f"  opencl/numba wall {t_cl/t_nb:5.2f}x cpu {cpu[0]/cpu[1]:5.2f}x  maxrel {rel:.1e}")
         print(line, flush=True)
 
 

@@ -22,7 +22,7 @@ INSTALL_HINT = (
 )
 
 _lock = threading.Lock()
-_state: "DeviceState | None" = None
+_states: dict = {}
 
 
 @dataclass(frozen=True)
@@ -116,12 +116,15 @@ def list_devices() -> list[DeviceInfo]:
     return [_info(cl, pi, di, plat, dev) for pi, di, plat, dev in _enumerate(cl)]
 
 
-def parse_selector(text: str) -> tuple[int, int] | str:
-    """``"1:0"`` -> (1, 0); ``"2"`` -> (2, 0) (pyopencl's form); anything
+def parse_selector(text: str) -> tuple | str:
+    """``"1:0"`` -> (1, 0); ``"2"`` -> (2, 0) (pyopencl's form); ``"gpu"`` /
+    ``"cpu"`` -> ("kind", "GPU") (the first device of that kind); anything
     else is a name substring (stripped, lower-cased)."""
     s = text.strip()
     if not s:
         raise ConfigError("empty OpenCL device selector")
+    if s.lower() in ("gpu", "cpu", "accelerator"):
+        return ("kind", s.upper())
     parts = s.split(":")
     if all(p.strip().isdigit() for p in parts) and 1 <= len(parts) <= 2:
         pi = int(parts[0])
@@ -138,7 +141,11 @@ def choose(entries, kvreg_device: str | None, pyopencl_ctx: str | None, cl_modul
         if value is None or value.strip() == "":
             continue
         sel = parse_selector(value)
-        if isinstance(sel, tuple):
+        if isinstance(sel, tuple) and sel[0] == "kind":
+            for e in entries:
+                if _kind(cl_module, e[3].type) == sel[1]:
+                    return e
+        elif isinstance(sel, tuple):
             for e in entries:
                 if (e[0], e[1]) == sel:
                     return e
@@ -170,24 +177,31 @@ class DeviceState:
         return f"<OpenCL {i.selector} {i.name!r} ({i.kind}, {i.platform})>"
 
 
-def get_device() -> DeviceState:
-    """The process-wide device state, created on the first call."""
-    global _state
-    if _state is not None:
-        return _state
+def get_device(selector: str | None = None) -> DeviceState:
+    """The device for ``selector`` (None: the environment rules above),
+    created on the first call and shared afterwards."""
+    key = selector.strip() if selector else None
+    st = _states.get(key)
+    if st is not None:
+        return st
     with _lock:
-        if _state is None:
+        st = _states.get(key)
+        if st is None:
             cl = _cl()
-            e = choose(_enumerate(cl), os.environ.get("KVREG_DEVICE"), os.environ.get("PYOPENCL_CTX"), cl)
+            entries = _enumerate(cl)
+            if key is None:
+                e = choose(entries, os.environ.get("KVREG_DEVICE"), os.environ.get("PYOPENCL_CTX"), cl)
+            else:
+                e = choose(entries, key, None, cl)
             try:
-                _state = DeviceState(cl, *e)
+                st = DeviceState(cl, *e)
             except Exception as exc:
                 raise BackendError(f"kvreg-opencl: cannot open {e[3].name.strip()!r}: {exc}; {INSTALL_HINT}") from exc
-    return _state
+            _states[key] = st
+    return st
 
 
 def reset_device() -> None:
-    """Forget the chosen device (tests; a changed KVREG_DEVICE)."""
-    global _state
+    """Forget the chosen devices (tests; a changed KVREG_DEVICE)."""
     with _lock:
-        _state = None
+        _states.clear()

@@ -7,9 +7,11 @@ so they can be tested before (and independently of) the core's backend ABC;
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
-from kvreg.errors import ShapeError
+from kvreg.errors import BackendError, ShapeError
 
 from . import config, programs
 from .device import DeviceState
@@ -45,6 +47,7 @@ class _Scratch:
 
 
 _scratch: dict[int, _Scratch] = {}
+_launch_lock = threading.RLock()
 
 
 def scratch(dev: DeviceState) -> _Scratch:
@@ -62,7 +65,14 @@ def _local_size(kernel, dev: DeviceState) -> int:
     return max(1, min(int(want), int(wg)))
 
 
-def attend_rows(
+def attend_rows(*args, **kwargs):
+    """See :func:`_attend_rows`. Serialized per process: the cached kernel
+    objects and scratch buffers hold per-launch state."""
+    with _launch_lock:
+        return _attend_rows(*args, **kwargs)
+
+
+def _attend_rows(
     mirror: DeviceMirror,
     q: np.ndarray,
     *,
@@ -119,6 +129,13 @@ def attend_rows(
     if smax > 0:
         kern = programs.kernel(prg, _VARIANT[(mirror.k_quant, mirror.v_quant)])
         L = _local_size(kern, dev)
+        lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
+        local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
+        if local > dev.info.local_mem_bytes:
+            raise BackendError(
+                f"kvreg-opencl: the attend work-group needs {local} bytes of local memory, "
+                f"{dev.info.name!r} has {dev.info.local_mem_bytes}; lower config.BLOCK_ROWS, "
+                "HEADS_PER_WG or LOCAL_SIZE")
         kern(
             queue, (nblk * L, ng * nchunk, T), (L, 1, 1),
             q_buf, b.get("k", d), b.get("kq", d), b.get("ks", d), kcol,
@@ -128,6 +145,7 @@ def attend_rows(
             np.float32(scale), np.float32(softcap),
             pm, ps, pacc, sc_buf, np.int32(sstride), np.int32(want_scores),
             cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
+            cl.LocalMemory(4 * lanes * hc * hd if lanes > 1 else 4),
         )
     has_sinks = sinks is not None
     sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(nq)) if has_sinks else d
@@ -217,6 +235,11 @@ def attend_chunk(mirror: DeviceMirror, q: np.ndarray, *, lens, s0: int, hpk: int
 
 def quantize_rows(dev: DeviceState, x: np.ndarray, col: np.ndarray | None, group: int):
     """Exact-class q8 quantize of ``x [n, hd]`` (docs/kernels.md)."""
+    with _launch_lock:
+        return _quantize_rows(dev, x, col, group)
+
+
+def _quantize_rows(dev: DeviceState, x: np.ndarray, col: np.ndarray | None, group: int):
     cl = dev.cl
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2:

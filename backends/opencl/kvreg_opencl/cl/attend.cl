@@ -41,11 +41,12 @@
     const int sstride, const int want_scores,                                \
     __local float *qloc,            /* [hc * hd]                          */ \
     __local float *sloc,            /* [hc * br]                          */ \
-    __local float *mloc             /* [hc]                               */
+    __local float *mloc,            /* [hc]                               */ \
+    __local float *vloc             /* [R * hc * hd] value-pass lanes     */
 
 #define KV_PASS q, k, kq, ks, kcol, v, vq, vs, nlim, firsts, g0, ng, cap, hd,  \
     hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
-    want_scores, qloc, sloc, mloc
+    want_scores, qloc, sloc, mloc, vloc
 
 inline float score_f32(__local const float *qh, __global const float *kr, const int hd)
 {
@@ -119,7 +120,31 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
     for (int r = l; r < rows; r += L) {
         const size_t p = (size_t)g * cap + row0 + r;
         float sc[KVREG_HC];
-        if (KQ) {
+        if (KQ && (hd % KVREG_K_GROUP) == 0) {
+            /* each 32-channel group converted once for every head; per head
+             * the same operations as score_q8 */
+            __global const char *kr = kq + p * hd;
+            float dot[KVREG_HC];
+            for (int h = 0; h < KVREG_HC; ++h) dot[h] = 0.0f;
+            for (int j = 0; j < ngk; ++j) {
+                const char16 c0 = vload16(0, kr + j * KVREG_K_GROUP);
+                const char16 c1 = vload16(0, kr + j * KVREG_K_GROUP + 16);
+                const float8 k0 = convert_float8(c0.lo), k1 = convert_float8(c0.hi);
+                const float8 k2 = convert_float8(c1.lo), k3 = convert_float8(c1.hi);
+                const float ksj = ks[p * ngk + j];
+                for (int h = 0; h < KVREG_HC; ++h) {
+                    if (h < hcnt) {
+                        __local const float *qg = qloc + h * hd + j * KVREG_K_GROUP;
+                        float8 a = vload8(0, qg) * k0;
+                        a += vload8(1, qg) * k1;
+                        a += vload8(2, qg) * k2;
+                        a += vload8(3, qg) * k3;
+                        dot[h] += kvreg_hsum8(a) * ksj;
+                    }
+                }
+            }
+            for (int h = 0; h < KVREG_HC; ++h) sc[h] = dot[h];
+        } else if (KQ) {
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
         } else if ((hd & 7) == 0) {
@@ -169,13 +194,20 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
         ps[o] = sum;
     }
 
-    /* value pass: 8-channel slices across work-items, rows in order, the
-     * V row read once for every head of the chunk */
+    /* value pass: work-item (lane, slice) takes an 8-channel slice (1 when
+     * hd % 8) of every head of the chunk over rows lane, lane + R, ...; the
+     * V row slice is read once for all heads.  R = L / slices row lanes
+     * (1 on a CPU, where L is small) are then summed in lane order through
+     * local memory.  R depends on L and hd only, never on the rows or the
+     * heads, so the invariants hold. */
     const int vec = ((hd & 7) == 0) ? 8 : 1;
-    for (int dv = l; dv < hd / vec; dv += L) {
+    const int nv = hd / vec;
+    const int R = max(1, L / nv);
+    for (int item = l; item < nv * R; item += L) {
+        const int dv = item % nv, lane = item / nv;
         float8 acc[KVREG_HC];
         for (int h = 0; h < KVREG_HC; ++h) acc[h] = (float8)(0.0f);
-        for (int r = 0; r < rows; ++r) {
+        for (int r = lane; r < rows; r += R) {
             const size_t p = (size_t)g * cap + row0 + r;
             float8 vv;
             float ws = 1.0f;
@@ -190,9 +222,24 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
                 if (h < hcnt) acc[h] += (VQ ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
         }
         for (int h = 0; h < hcnt; ++h) {
-            __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
-            if (vec == 8) vstore8(acc[h], dv, o);
-            else o[dv] = acc[h].s0;
+            if (R == 1) {
+                __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
+                if (vec == 8) vstore8(acc[h], dv, o);
+                else o[dv] = acc[h].s0;
+            } else {
+                __local float *o = vloc + (lane * hc + h) * hd;
+                if (vec == 8) vstore8(acc[h], dv, o);
+                else o[dv] = acc[h].s0;
+            }
+        }
+    }
+    if (R > 1) {
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int i = l; i < hcnt * hd; i += L) {
+            const int h = i / hd, d = i - h * hd;
+            float acc = 0.0f;
+            for (int lane = 0; lane < R; ++lane) acc += vloc[(lane * hc + h) * hd + d];
+            pacc[(((size_t)t * nq + qh0 + h) * nblk + b) * hd + d] = acc;
         }
     }
 }

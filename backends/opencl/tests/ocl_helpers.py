@@ -14,7 +14,7 @@ def quantize_ref(x, col, group):
     """The exact-class contract in numpy float32, step by step."""
     x = np.asarray(x, dtype=np.float32)
     n, hd = x.shape
-    r = x / np.asarray(col, dtype=np.float32)[None, :] if col is not None else x.copy()
+    r = x / np.asarray(col, dtype=np.float32) if col is not None else x.copy()  # [hd] or [n, hd]
     ng = -(-hd // group)
     q = np.zeros((n, hd), dtype=np.int8)
     s = np.zeros((n, ng), dtype=np.float32)
