@@ -92,8 +92,15 @@ class Backend:
 
     @classmethod
     def devices(cls) -> list[str]:
-        """Device specs this backend can run on here (for ``kvreg info``)."""
+        """Device specs this backend can run on here: each one a ``device``
+        its constructor accepts (``kvreg conformance --backend all`` runs the
+        suite once per entry). Raise BackendError, saying why, when none."""
         return ["cpu"]
+
+    @classmethod
+    def device_labels(cls) -> list[str]:
+        """Human descriptions of :meth:`devices`, in the same order (``kvreg info``)."""
+        return cls.devices()
 
     @classmethod
     def native_kernels(cls) -> list[str]:

@@ -28,7 +28,7 @@ def _cmd_info(args) -> int:
     print("registered backends:")
     for name, cls in sorted(registry.backends().items()):
         try:
-            devices = cls.devices()
+            devices = cls.device_labels()
         except BackendError as exc:
             devices = [f"unavailable: {exc}"]
         native = cls.native_kernels()

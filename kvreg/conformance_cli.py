@@ -12,7 +12,10 @@ entries; the command prints them as a table, optionally writes them as JSON
 (``--report``) and merges the per-run JUnit files into one (``--junit``).
 
 Exit status: 0 when every run passed (xfails allowed), 1 when any case
-failed or errored, 2 when nothing could run (no suite, unknown backend).
+failed or errored or a backend did not start on a device its ``devices()``
+listed, 2 when nothing could run (no suite, unknown backend). A backend that
+cannot start where no device was claimed (an explicit ``--device``, or
+``devices()`` itself failing) skips with its reason.
 
 ``--backend all`` (the default) runs every registered backend on every
 device its ``devices()`` lists. ``--quick`` selects the ``quick`` marker and
@@ -107,6 +110,8 @@ def run_one(suite: Path, name: str, device: str | None, args, tmp: Path, idx: in
 
 def _failed(rec: dict) -> bool:
     o = rec.get("outcomes", {})
+    if rec.get("unavailable") and rec.get("claimed"):
+        return True   # devices() listed this device, so the backend must start on it
     # pytest exit 5 = nothing collected (e.g. -k matched nothing): not a failure.
     return bool(o.get("failed") or o.get("error")) or rec["returncode"] not in (0, 5)
 
@@ -131,7 +136,7 @@ def table(records: list[dict]) -> str:
                 lines.append(f"      {k:26s} {w['ratio']:7.3f}  {w['abs']:.3g}")
         for s in r.get("stale_xfail", []):
             lines.append(f"    WARNING stale xfail entry: {s}")
-        if _failed(r) and not fail:
+        if r["returncode"] not in (0, 5) and not fail:
             lines.append(f"    pytest exited with status {r['returncode']}")
     return "\n".join(lines)
 
@@ -167,6 +172,9 @@ def run(args) -> int:
         return 2
     for w in warnings:
         print(f"kvreg conformance: warning: {w}", file=sys.stderr)
+    claimed = set(pairs) if (getattr(args, "backend", None) or "all").lower() == "all" and \
+        getattr(args, "device", None) is None else set()
+    claimed = {p for p in claimed if p[1] is not None}
     if not pairs:
         print("kvreg conformance: no backend registered", file=sys.stderr)
         return 2
@@ -176,7 +184,9 @@ def run(args) -> int:
         for i, (name, device) in enumerate(pairs):
             banner = f"[{i + 1}/{len(pairs)}] {name} on {device or 'its default device'}"
             print(f"\n=== {banner} {'(quick profile)' if getattr(args, 'quick', False) else ''}", flush=True)
-            records.append(run_one(suite, name, device, args, tmp, i))
+            rec = run_one(suite, name, device, args, tmp, i)
+            rec["claimed"] = (name, device) in claimed
+            records.append(rec)
         if getattr(args, "junit", None):
             merge_junit(records, args.junit)
     print("\nkvreg conformance summary")

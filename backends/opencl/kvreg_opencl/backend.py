@@ -54,8 +54,13 @@ class OpenCLBackend(ReferenceBackend):
 
     @classmethod
     def devices(cls) -> list[str]:
-        """``"p:d name (KIND)"`` per OpenCL device; BackendError (with the
-        install hint) when there is none, which ``kvreg info`` prints."""
+        """``"p:d"`` per OpenCL device (a spec the constructor accepts);
+        BackendError (with the install hint) when there is none."""
+        return [d.selector for d in _device.list_devices()]
+
+    @classmethod
+    def device_labels(cls) -> list[str]:
+        """``"p:d name (KIND)"`` per OpenCL device, for ``kvreg info``."""
         return [f"{d.selector} {d.name} ({d.kind})" for d in _device.list_devices()]
 
     def mirror(self, st) -> DeviceMirror:

@@ -1,0 +1,48 @@
+"""Deterministic inputs of the conformance cases (no randomness between runs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvreg import KvMode, LayerKvCache
+
+ALL_MODES = (KvMode.F32, KvMode.Q8, KvMode.Q8K, KvMode.Q8V)
+
+
+def f32(xs) -> np.ndarray:
+    return np.asarray(xs, dtype=np.float32)
+
+
+def swa_row(p: int, n: int, salt: int) -> np.ndarray:
+    """The seed's pseudo-random row in [-1, 1) (``swa_row`` of kv_cache.rs)."""
+    i = np.arange(n)
+    return f32(((p * 7919 + i * 104_729 + salt * 1_299_709) % 2003) / 1001.5 - 1.0)
+
+
+def rng_rows(seed: int, n: int, width: int, scale: float = 1.0) -> np.ndarray:
+    """``n`` rows of ``width`` float32 normals times ``scale`` (seeded)."""
+    return (np.random.default_rng(seed).standard_normal((n, width)) * scale).astype(np.float32)
+
+
+def filled(backend, nkv: int, hd: int, mode=KvMode.F32, rows: int = 40, seed: int = 0, alive=None,
+           channel_structure: bool = True) -> tuple[LayerKvCache, np.ndarray, np.ndarray]:
+    """A layer on ``backend`` holding ``rows`` appended positions.
+
+    Returns ``(layer, k [rows, nkv*hd], v [rows, nkv*hd])``. With
+    ``channel_structure`` even channels are 4x larger than odd ones, as in
+    the seed's q8 test (it makes the q8 field matter).
+    """
+    k = rng_rows(seed, rows, nkv * hd)
+    v = rng_rows(seed + 1, rows, nkv * hd)
+    if channel_structure:
+        w = np.where(np.arange(nkv * hd) % 2 == 0, 2.0, 0.5).astype(np.float32)
+        k *= w
+        v *= w
+    lay = LayerKvCache(nkv, hd, mode, backend)
+    for p in range(rows):
+        lay.append(k[p], v[p], alive)
+    return lay, k, v
+
+
+def queries(seed: int, nh: int, hd: int, scale: float = 1.0) -> np.ndarray:
+    return rng_rows(seed + 1000, nh, hd, scale)

@@ -1,0 +1,160 @@
+"""The exact class: bit for bit against the NumPy reference on every backend.
+
+``quantize_rows`` (ties, NaN, short last groups, fields), the storage after
+every mutation in every KV mode, and the wire bytes (f32 and f16).
+"""
+
+import numpy as np
+import pytest
+
+from kvreg import KV_K_GROUP, KvMode, LayerKvCache
+from kvreg.quant import quantize_rows as quantize_rows_spec
+
+from .checks import assert_same_storage
+from .data import ALL_MODES, f32, rng_rows
+
+MODE_IDS = [m.value for m in ALL_MODES]
+
+
+def _quantize_both(backend, check, x, col, group, what):
+    got_q, got_s = backend.quantize_rows(x.copy(), None if col is None else col.copy(), group)
+    want_q, want_s = quantize_rows_spec(x, col, group)
+    check.exact("quantize_rows", np.asarray(got_q), want_q, f"{what}: int8 rows")
+    check.exact("quantize_rows", np.asarray(got_s), want_s, f"{what}: scales")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("group", [KV_K_GROUP, 64], ids=["g32", "g64"])
+def test_quantize_rows_rounds_ties_away_from_zero(backend, check, group):
+    # absmax 127 makes the scale exactly 1, so x/s lands on the .5 ties.
+    ties = f32([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5, -3.5, 0.49999997, -0.49999997,
+                63.5, -63.5, 0.0, -0.0, 100.5, -100.5, 7.5])
+    x = np.zeros((2, 64), np.float32)
+    x[0, : ties.size] = ties
+    x[1, : ties.size] = -ties
+    _quantize_both(backend, check, x, None, group, "half-way values")
+
+
+@pytest.mark.quick
+def test_quantize_rows_maps_nan_to_zero_and_ignores_it_in_the_scale(backend, check):
+    x = rng_rows(3, 4, 40)
+    x[0, 3] = np.nan
+    x[1, :32] = np.nan                      # a whole group of NaN: the scale floor
+    x[2, 35] = np.nan                       # in the short last group
+    _quantize_both(backend, check, x, None, KV_K_GROUP, "NaN inputs")
+
+
+@pytest.mark.parametrize("hd", [1, 5, 31, 33, 64, 100, 128])
+@pytest.mark.parametrize("field", ["none", "shared", "per_row"])
+def test_quantize_rows_matches_the_spec(backend, check, hd, field):
+    n = 37
+    x = rng_rows(hd, n, hd, 3.0)
+    x[0] = 0.0                               # the scale floor 1e-12
+    x[1] *= 1e-30                            # tiny values: the floor again, huge quotients clamp
+    x[2, 0] = -0.0
+    col = None
+    if field == "shared":
+        col = np.abs(rng_rows(hd + 1, 1, hd))[0] + np.float32(0.01)
+    elif field == "per_row":
+        col = np.abs(rng_rows(hd + 2, n, hd)) + np.float32(0.01)
+    for group in (KV_K_GROUP, hd):
+        _quantize_both(backend, check, x, col, group, f"hd {hd}, field {field}, group {group}")
+
+
+def _twins(backend, ref, nkv, hd, mode):
+    return LayerKvCache(nkv, hd, mode, backend), LayerKvCache(nkv, hd, mode, ref)
+
+
+def _append_both(a, b, rows, seed, alive=None):
+    nkv, hd = a.num_kv_heads, a.head_dim
+    k = rng_rows(seed, rows, nkv * hd) * np.where(np.arange(nkv * hd) % 3 == 0, 4.0, 0.5).astype(np.float32)
+    v = rng_rows(seed + 7, rows, nkv * hd)
+    for p in range(rows):
+        a.append(k[p], v[p], alive)
+        b.append(k[p], v[p], alive)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("hd", [16, 40])
+def test_storage_after_append_across_the_freeze(backend, ref, check, mode, hd):
+    a, b = _twins(backend, ref, 3, hd, mode)
+    _append_both(a, b, 63, 1, [True, False, True])
+    assert_same_storage(check, a, b, "quantize_rows", f"{mode.value}: 63 rows, before the freeze")
+    _append_both(a, b, 10, 2, [True, False, True])
+    assert_same_storage(check, a, b, "quantize_rows", f"{mode.value}: 73 rows, field frozen and requantized")
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+def test_storage_after_truncate_then_append(backend, ref, check, mode):
+    a, b = _twins(backend, ref, 2, 16, mode)
+    _append_both(a, b, 70, 3)
+    for d, seed in ((3, 4), (1, 5), (10, 6)):
+        a.truncate_last(d)
+        b.truncate_last(d)
+        assert_same_storage(check, a, b, "truncate_last", f"{mode.value}: truncate {d}")
+        _append_both(a, b, d + 1, seed)
+        assert_same_storage(check, a, b, "append", f"{mode.value}: append after truncate {d}")
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+def test_storage_after_trim_window(backend, ref, check, mode):
+    a, b = _twins(backend, ref, 2, 16, mode)
+    dropped = 0
+    for rnd in range(12):
+        _append_both(a, b, 9, 10 + rnd, [True, rnd % 3 != 0])
+        da, db = a.trim_window(20, 3, 4), b.trim_window(20, 3, 4)
+        check.equal("trim_window", da, db, f"{mode.value}: rows dropped, round {rnd}")
+        dropped += da
+        assert_same_storage(check, a, b, "trim_window", f"{mode.value}: round {rnd}")
+    assert dropped > 0
+
+
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+def test_storage_after_evict(backend, ref, check, mode):
+    a, b = _twins(backend, ref, 2, 16, mode)
+    _append_both(a, b, 80, 20, [True, False])
+    _append_both(a, b, 5, 21)
+    a.evict(50)
+    b.evict(50)
+    assert_same_storage(check, a, b, "evict", f"{mode.value}: keep 50 of 85")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+def test_storage_after_evict_born_gathers_every_block(backend, ref, check, mode):
+    a, b = _twins(backend, ref, 2, 16, mode)
+    _append_both(a, b, 80, 30, [True, False])
+    _append_both(a, b, 10, 31)
+    mass = np.abs(rng_rows(32, 1, 90))[0]
+    mass[[5, 17, 40, 41, 77]] += 10.0
+    a.accumulate_imp(mass)
+    b.accumulate_imp(mass)
+    a.evict_born(30, 4, 8)
+    b.evict_born(30, 4, 8)
+    assert_same_storage(check, a, b, "gather_rows", f"{mode.value}: evict_born keep 30 (sink 4, recent 8)")
+
+
+@pytest.mark.quick
+def test_gather_rows_matches_numpy_indexing(backend, check):
+    rows = rng_rows(40, 50, 24)
+    for idx in (np.arange(50), np.array([0]), np.array([3, 4, 9, 30, 49]), np.array([], dtype=np.int64)):
+        check.exact("gather_rows", np.asarray(backend.gather_rows(rows, idx)), rows[idx], f"idx {idx.tolist()}")
+
+
+@pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("trimmed", [False, True], ids=["full", "tail"])
+def test_wire_bytes_equal_the_reference(backend, ref, check, f16, trimmed):
+    a, b = _twins(backend, ref, 2, 12, KvMode.F32)
+    _append_both(a, b, 50, 50, [True, False])
+    # f16 rounding edge cases travel too: halfway, overflow, subnormal, NaN, -0.
+    special = f32([1.0 + 2.0 ** -11, 65520.0, -70000.0, 2.0 ** -25, 6e-8, np.nan, -0.0, 1.0 - 2.0 ** -12] * 3)
+    a.append(special, special)
+    b.append(special, special)
+    a.accumulate_imp(np.linspace(0, 1, 51, dtype=np.float32))
+    b.accumulate_imp(np.linspace(0, 1, 51, dtype=np.float32))
+    if trimmed:
+        assert a.trim_window(8, 2, 4) == b.trim_window(8, 2, 4) > 0
+    ba, bb = a.export_wire(f16), b.export_wire(f16)
+    check.exact("wire", np.frombuffer(ba, np.uint8), np.frombuffer(bb, np.uint8),
+                f"export_wire(f16={f16}) bytes, {'trimmed' if trimmed else 'untrimmed'}")

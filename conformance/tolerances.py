@@ -1,0 +1,49 @@
+"""Every tolerance of the conformance suite, declared once with its reason.
+
+``TOLERANCES[kernel] = (rtol, atol, reason)``: a value passes when
+``|got - expected| <= atol + rtol * |expected|`` elementwise (NaN only where
+NaN is expected). Anything not in this table is compared bit for bit.
+
+The expected value is the float64 oracle (:mod:`kvreg.testing.oracle`) unless
+the kernel name says otherwise. The bounds are a few float32 roundings per
+accumulated term above what a correct float32 kernel produces on the
+suite's inputs (|q|, |k|, |v| <= ~4, hd <= 128, rows <= ~300); every bug the
+suite is meant to catch (a row too many or too few, a dropped sink, unsummed
+importance) moves a value by 1e-3 or more.
+"""
+
+from __future__ import annotations
+
+TOLERANCES: dict[str, tuple[float, float, str]] = {
+    "attend_group": (1e-4, 2e-5,
+                     "float32 dot products over hd channels and a float32 softmax over <= ~300 rows; "
+                     "summation order is the backend's (blocked, SIMD, tree) so only ~hd·eps per score holds"),
+    "attend_probs": (1e-4, 1e-5,
+                     "probabilities inherit the score error through exp: relative error ~ |score| · hd · eps"),
+    "importance": (1e-4, 3e-5,
+                   "Σ over the group's heads of probabilities: one more float32 sum over <= 8 heads"),
+    "attend_layer": (1e-4, 2e-5, "same arithmetic as attend_group, every group in one call"),
+    "attend_chunk": (1e-4, 3e-5,
+                     "batched causal prefill: GEMM summation order differs from the per-row path"),
+    "attend_chunk_importance": (1e-3, 1e-4,
+                                "masked column sums of b·nh probabilities each carrying attend_chunk's error"),
+    "freeze_rms": (1e-5, 1e-7,
+                   "float32 sum of squares in row order over <= 64 rows, then sqrt: ~n·eps relative"),
+    "bounded_attend": (1e-5, 1e-5,
+                       "float32 RoPE (angles pos·theta^(-2i/d) rounded once) and a float32 softmax"),
+    "nystrom_step": (1e-4, 1e-5,
+                     "float64 landmark algebra but float32 exact rows and output; the oracle's pinv and "
+                     "the kernel's differ by rounding on a well-conditioned landmark kernel"),
+    "wire_cross_backend": (1e-4, 2e-5,
+                           "state exported by one backend, imported by another: each answers within "
+                           "attend_group's tolerance of the oracle, so of each other within twice it"),
+}
+
+
+def tolerance(kernel: str) -> tuple[float, float, str]:
+    """``(rtol, atol, reason)`` of ``kernel``; KeyError names the table."""
+    try:
+        return TOLERANCES[kernel]
+    except KeyError:
+        raise KeyError(f"no tolerance declared for {kernel!r} in conformance/tolerances.py "
+                       f"(exact comparisons use check.exact)") from None
