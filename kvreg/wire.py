@@ -529,28 +529,34 @@ def decode_cache(buf) -> list:
 
 def inspect(buf) -> str:
     """A human report of a layer blob or a cache container: the header, a
-    body summary and, for a broken blob, what is wrong and at which byte.
-    Checks structure only (identity, layer and geometry are the importing
-    layer's to judge). Never raises for bytes-like input."""
+    body summary and a verdict line, unindented: ``OK: ...`` or, for a broken
+    blob, ``ERROR: <what is wrong> (at byte N)`` (a container with a broken
+    layer blob ends with one such line per broken blob). Checks structure only:
+    identity, layer and geometry are the importing layer's to judge. Never
+    raises for bytes-like input."""
     try:
         mv = _view(buf)
     except WireError as e:
-        return f"BROKEN: {e}"
+        return f"ERROR: {e}"
     if bytes(mv[:4]) == CACHE_MAGIC:
         notes: list = []
         try:
             spans = _parse_cache(mv, notes)
         except WireError as e:
-            return "\n".join(notes + [f"BROKEN: {e}"])
+            return "\n".join(notes + [f"ERROR: {e}"])
+        verdicts = []
         for i, (o, n) in enumerate(spans):
             notes.append(f"layer blob {i} at byte {o}, {n} bytes:")
-            notes += ["  " + line for line in inspect(mv[o:o + n]).splitlines()]
-        return "\n".join(notes)
+            report = inspect(mv[o:o + n]).splitlines()
+            notes += ["  " + line for line in report]
+            if report[-1].startswith("ERROR: "):
+                verdicts.append(f"ERROR: layer blob {i} (at byte {o} of the container): {report[-1][7:]}")
+        return "\n".join(notes + (verdicts or [f"OK: {len(spans)} layer blob(s)"]))
     notes = [f"{len(mv)} bytes"]
     try:
         st = _parse(mv, None, False, notes)
     except WireError as e:
-        notes.append(f"BROKEN: {e}")
+        notes.append(f"ERROR: {e}")
         return "\n".join(notes)
     notes.append(f"OK: {st.kind.name} record, position {st.position}, seq_len {st.seq_len}, "
                  f"{st.num_kv_heads}×{st.head_dim}")
