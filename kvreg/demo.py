@@ -55,8 +55,7 @@ class DemoConfig:
 
 
 def _rmsnorm(x, g):
-    x64 = x.astype(np.float32)
-    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + np.float32(1e-6)) * g
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-6)) * g
 
 
 class TinyGPT:
@@ -79,6 +78,10 @@ class TinyGPT:
                 g1=np.ones(d, np.float32), wq=w(d, nh * hd), wk=w(d, nkv * hd), wv=w(d, nkv * hd),
                 wo=w(nh * hd, d), g2=np.ones(d, np.float32), wg=w(d, ff), wu=w(d, ff), wd=w(ff, d)))
         self.g_out = np.ones(d, np.float32)
+        # Untied head: with a tied one the residual stream's own embedding
+        # wins every argmax and the greedy output repeats its first token,
+        # which would make the hand-off proof blind to the cache.
+        self.head = w(d, cfg.vocab) * np.float32(4.0)
 
     def forward(self, tokens, positions, session: "Session", *, prefill: bool) -> np.ndarray:
         """Run ``tokens`` (at absolute ``positions``) through every layer,
@@ -97,7 +100,7 @@ class TinyGPT:
             h = _rmsnorm(x, blk["g2"])
             gate = h @ blk["wg"]
             x = x + ((gate / (1 + np.exp(-gate))) * (h @ blk["wu"])) @ blk["wd"]
-        return _rmsnorm(x[-1], self.g_out) @ self.emb.T
+        return _rmsnorm(x[-1], self.g_out) @ self.head
 
 
 class Session:

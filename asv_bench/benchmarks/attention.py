@@ -1,0 +1,27 @@
+"""Decode attention: ``attend_layer`` of one token, 32 Q / 8 KV heads, hd 128."""
+
+from . import common
+
+
+class AttendLayerDecode:
+    """One decode step of one layer over ``rows`` stored rows (importance
+    accumulated, as an engine running Born eviction does)."""
+
+    params = [common.backend_names(), [1024, 4096, 16384]]
+    param_names = ["backend", "rows"]
+
+    def setup(self, name, rows):
+        self.layer = common.layer(name, rows)
+        self.q = common.queries(1)[0]
+        self.layer.attend_layer(self.q)   # JIT compile / device upload outside the timing
+
+    def time_attend_layer(self, name, rows):
+        self.layer.attend_layer(self.q)
+
+    def track_bandwidth_fraction(self, name, rows):
+        """Bytes of K and V read per second over the machine's streaming-read
+        bandwidth, measured in the same process (1.0 = memory-bound optimum)."""
+        t = common.best_time(lambda: self.layer.attend_layer(self.q))
+        return self.layer.memory_bytes() / t / 1e9 / common.stream_bandwidth()
+
+    track_bandwidth_fraction.unit = "fraction of stream bandwidth"

@@ -1,0 +1,70 @@
+"""`kvreg bench` code paths on tiny sizes, and the bulk-filled layers the
+benchmarks start from."""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from kvreg import LayerKvCache, bench
+from kvreg.testing.fill import filled_layer, kv_rows
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q8k", "q8v"])
+def test_filled_layer_equals_appending_row_by_row(mode):
+    n = 150
+    a = filled_layer(n, 3, 40, mode=mode, backend="reference")
+    k, v = kv_rows(n, 3, 40, 0)
+    b = LayerKvCache(3, 40, mode, "reference")
+    for i in range(n):
+        b.append(k[:, i], v[:, i])
+    sa, sb = a.storage, b.storage
+    for name in sa.block_names():
+        assert np.array_equal(getattr(sa, name)[:, :n], getattr(sb, name)[:, :n]), name
+    assert np.array_equal(sa.kcol, sb.kcol) and np.array_equal(sa.vcol, sb.vcol)
+    assert a.seq_len == b.seq_len and np.array_equal(sa.lens, sb.lens)
+    assert a.memory_bytes() == b.memory_bytes()
+    q = np.random.default_rng(0).standard_normal((6, 40), dtype=np.float32)
+    assert np.array_equal(a.attend_layer(q), b.attend_layer(q))
+
+
+def test_time_call_stops_at_max_time():
+    calls = []
+    bench.time_call(lambda: calls.append(1), min_time=0.0, repeats=1000, max_time=0.0)
+    assert len(calls) == 1
+
+
+def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    args = argparse.Namespace(what="all", backend=["reference"], quick=True, json=str(out), plot=None,
+                              sizes=bench.TINY, progress=False)
+    assert bench.main(args) == 0
+    text = capsys.readouterr().out
+    for part in ("stream-read bandwidth", "decode", "q8/F32", "prefill", "append", "wire"):
+        assert part in text
+    res = json.loads(out.read_text())
+    assert {d["rows"] for d in res["decode"] if d["backend"] == "reference"} == set(bench.TINY.decode_rows)
+    for key in ("decode", "q8", "prefill", "append", "wire"):
+        assert res[key], key
+    assert res["machine"]["stream_read_gbps"] > 0 and res["machine"]["bandwidth_source"]
+    assert "torch-sdpa" in res["peers"]
+
+
+def test_bench_decode_only(capsys):
+    res = bench.run("decode", ["reference"], bench.TINY, progress=False)
+    assert res["decode"] and res["q8"] and not res["prefill"] and not res["wire"]
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    res = bench.run("decode", ["reference"], bench.TINY, progress=False)
+    path = tmp_path / "d.png"
+    bench.plot_decode(res, str(path))
+    assert path.stat().st_size > 0
+
+
+def test_unknown_backend_is_reported_not_fatal():
+    res = bench.run("decode", ["no-such-backend"], bench.TINY, progress=False)
+    assert any(u["backend"] == "no-such-backend" for u in res["unavailable"])
+    assert res["decode"]
