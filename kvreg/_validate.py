@@ -87,6 +87,16 @@ def array(name: str, x, shape: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(shape))
 
 
+def float_block(name: str, x, nkv: int, hd: int) -> np.ndarray:
+    """``[n, nkv, hd]`` or ``[n, nkv*hd]`` -> C-contiguous float32 ``[n, nkv, hd]``."""
+    a = _as_f32(name, x)
+    if a.ndim == 2 and a.shape[1] == nkv * hd:
+        a = a.reshape(a.shape[0], nkv, hd)
+    if a.ndim != 3 or a.shape[1:] != (nkv, hd):
+        raise ShapeError(f"{name} has shape {a.shape}; expected [n, {nkv}, {hd}] or [n, {nkv * hd}]")
+    return np.ascontiguousarray(a)
+
+
 def float_vector(name: str, x) -> np.ndarray:
     a = _as_f32(name, x)
     if a.ndim != 1:

@@ -181,40 +181,73 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         one inf would make its group's scale inf and every dequantized value
         of the row NaN, poisoning the head silently.
         """
+        nkv, hd = self.num_kv_heads, self.head_dim
+        k = V.rows("k", k, nkv, hd)
+        v = V.rows("v", v, nkv, hd)
+        self._extend(k[None], v[None], V.alive_mask(alive, nkv))
+
+    def extend(self, k, v, alive=None) -> None:
+        """Append ``n`` positions at once (a prefill chunk): ``k``, ``v`` are
+        ``[n, num_kv_heads, head_dim]`` (or ``[n, nkv*hd]``). The storage ends
+        bit for bit as after ``n`` calls of :meth:`append` (the q8 field
+        freezes at the same row), in one copy per head."""
+        nkv, hd = self.num_kv_heads, self.head_dim
+        k = V.float_block("k", k, nkv, hd)
+        v = V.float_block("v", v, nkv, hd)
+        if k.shape[0] != v.shape[0]:
+            raise ShapeError(f"k has {k.shape[0]} rows and v {v.shape[0]}; expected the same count")
+        self._extend(k, v, V.alive_mask(alive, nkv))
+
+    def _extend(self, k: np.ndarray, v: np.ndarray, alive: np.ndarray) -> None:
         if self._o1_error is not None:
             raise SealError(f"append refused: the O(1) seal of this layer failed ({self._o1_error}); clear() it first")
         if self.bounded is not None:
             raise StateError("append on a bounded-anchor layer: use bounded_step (it stores nothing per position)")
-        nkv, hd = self.num_kv_heads, self.head_dim
-        k = V.rows("k", k, nkv, hd)
-        v = V.rows("v", v, nkv, hd)
-        alive_mask = V.alive_mask(alive, nkv)
-        st = self._st
-        mode = st.mode
-        if mode.quantized:
-            for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
-                if q and not np.isfinite(x[alive_mask]).all():
-                    raise ShapeError(f"{name} has inf/NaN values: a q8 layer stores finite rows only")
-            if st.seq_len >= KV_COL_WARMUP and not st.field_frozen():
-                self._freeze_field()
-        heads = np.flatnonzero(alive_mask)
-        kr = vr = kq = ks = vq = vs = None
-        if heads.size:
-            if mode.quant_k:
-                col = np.where(st.kcol_set[heads, None], st.kcol[heads], np.float32(1))
-                kq, ks = self.backend.quantize_rows(k[heads], col, KV_K_GROUP)
-            else:
-                kr = k[heads]
-            if mode.quant_v:
-                col = np.where(st.vcol_set[heads, None], st.vcol[heads], np.float32(1))
-                vq, vs = self.backend.quantize_rows(v[heads], col, hd)
-                vs = vs[:, 0]
-            else:
-                vr = v[heads]
         if self._o1 is not None:
             self._o1_before_append()
-        st.append(kr, kq, ks, vr, vq, vs, alive_mask)
-        self._seq_len += 1
+        st = self._st
+        mode = st.mode
+        heads = np.flatnonzero(alive)
+        if mode.quantized:
+            for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
+                if q and not np.isfinite(x[:, heads]).all():
+                    raise ShapeError(f"{name} has inf/NaN values: a q8 layer stores finite rows only")
+        n, done = k.shape[0], 0
+        while done < n:
+            seg = n - done
+            if mode.quantized and not st.field_frozen():
+                if self._seq_len >= KV_COL_WARMUP:
+                    self._freeze_field()
+                if not st.field_frozen():
+                    # Rows up to the freeze point go in unquantized-field; the
+                    # append that reaches it freezes first.
+                    seg = min(seg, max(KV_COL_WARMUP - self._seq_len, 1))
+            self._store(k[done:done + seg], v[done:done + seg], heads)
+            done += seg
+
+    def _store(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
+        """Write rows ``[n, nkv, hd]`` of the alive ``heads`` (quantized per mode)."""
+        st = self._st
+        mode, hd, n = st.mode, self.head_dim, k.shape[0]
+        rows = {}
+        if heads.size:
+            # Head-major [n_alive, n, hd]: each head's rows contiguous.
+            kh = np.ascontiguousarray(k[:, heads].transpose(1, 0, 2))
+            vh = np.ascontiguousarray(v[:, heads].transpose(1, 0, 2))
+            if mode.quant_k:
+                col = np.repeat(np.where(st.kcol_set[heads, None], st.kcol[heads], np.float32(1)), n, axis=0)
+                kq, ks = self.backend.quantize_rows(kh.reshape(-1, hd), col, KV_K_GROUP)
+                rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
+            else:
+                rows["k"] = kh
+            if mode.quant_v:
+                col = np.repeat(np.where(st.vcol_set[heads, None], st.vcol[heads], np.float32(1)), n, axis=0)
+                vq, vs = self.backend.quantize_rows(vh.reshape(-1, hd), col, hd)
+                rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
+            else:
+                rows["v"] = vh
+        st.append(rows, heads, n)
+        self._seq_len += n
 
     def _freeze_field(self) -> None:
         """Freeze the 2f field: col = RMS per channel over the stored

@@ -126,20 +126,24 @@ class LayerStorage:
 
     # ── mutations (validated by the caller) ──
 
-    def append(self, k_rows, kq_rows, ks_rows, v_rows, vq_rows, vs_rows, alive: np.ndarray) -> None:
-        """Write one row per alive head (prepared arrays ``[n_alive, ...]``)."""
-        heads = np.flatnonzero(alive)
+    def append(self, rows: dict, heads: np.ndarray, n: int) -> None:
+        """Write ``n`` rows to each of ``heads``: ``rows[name]`` is
+        ``[len(heads), n, ...]`` for every block of the mode."""
         if heads.size:
-            self.reserve(int(self.lens[heads].max()) + 1)
-            at = self.lens[heads]
-            for name, rows in (("k", k_rows), ("kq", kq_rows), ("ks", ks_rows),
-                               ("v", v_rows), ("vq", vq_rows), ("vs", vs_rows)):
-                if rows is not None:
-                    getattr(self, name)[heads, at] = rows
-            self.lens[heads] += 1
-        self.reserve(self.seq_len + 1)
-        self._imp[self.seq_len] = 0.0
-        self.seq_len += 1
+            self.reserve(int(self.lens[heads].max()) + n)
+            if n == 1:   # the decode path: one fancy-index store per block
+                at = self.lens[heads]
+                for name, r in rows.items():
+                    getattr(self, name)[heads, at] = r[:, 0]
+            else:
+                for i, h in enumerate(heads):
+                    a = int(self.lens[h])
+                    for name, r in rows.items():
+                        getattr(self, name)[h, a:a + n] = r[i]
+            self.lens[heads] += n
+        self.reserve(self.seq_len + n)
+        self._imp[self.seq_len:self.seq_len + n] = 0.0
+        self.seq_len += n
 
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
