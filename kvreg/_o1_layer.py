@@ -229,24 +229,30 @@ class O1Mixin:
             raise SealError(f"o1 seal: invalid geometry m={col.m} w={col.w}")
 
         hpk = num_heads // nkv
-        trace = np.concatenate(col.q_rows).reshape(-1, num_heads, hd)
-        rows_q = trace[np.arange(t) // stride]          # [t, nh, hd]
+        rows = col.q_rows
+        trace = (rows[0] if len(rows) == 1 else np.concatenate(rows)).reshape(-1, num_heads, hd)
+        pick = None if stride == 1 else np.arange(t) // stride
         st = self._st
 
         def seal_group(g: int) -> NystromState:
             state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1_scale,
                                            rect=col.rect, kernels=self._nystrom_kernels())
-            qs = np.ascontiguousarray(rows_q[:, g * hpk:(g + 1) * hpk].transpose(1, 0, 2))
+            # This group's heads, each head's queries contiguous: [hpk, t, hd]
+            # (position p reads trace row p // stride).
+            qg = trace[:, g * hpk:(g + 1) * hpk]
+            qs = np.ascontiguousarray((qg if pick is None else qg[pick]).transpose(1, 0, 2))
             state.prefill_group(qs, st.k[g, :t], st.v[g, :t])
             return state
 
-        # One group's state depends on its rows alone: seal groups on threads
-        # (numpy's matmuls release the GIL).
-        if nkv > 1:
+        # One group's state depends on its rows alone, so groups can seal on
+        # threads -- where the backend's kernels release the GIL without
+        # threading themselves. The reference's GEMMs are already threaded by
+        # BLAS: threads on top oversubscribe the cores (9x slower measured).
+        if nkv > 1 and getattr(self.backend, "parallel_seal", False):
             with ThreadPoolExecutor(max_workers=min(nkv, os.cpu_count() or 1)) as pool:
                 groups = list(pool.map(seal_group, range(nkv)))
         else:
-            groups = [seal_group(0)]
+            groups = [seal_group(g) for g in range(nkv)]
         # The states carry everything decode needs: release the O(context)
         # storage (this is the memory claim, not a cosmetic).
         self._kv_rows_changed(0)

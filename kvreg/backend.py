@@ -83,6 +83,9 @@ class Backend:
     priority = 0
     #: Whether ``auto`` may pick it (CPU backends).
     auto = False
+    #: Whether an O(1) seal may run its KV groups on threads (kernels that
+    #: release the GIL and do not thread themselves).
+    parallel_seal = False
 
     def __init__(self, device: str | None = None):
         self.device = device or "cpu"
