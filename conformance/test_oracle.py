@@ -163,3 +163,30 @@ def test_nystrom_step_matches_the_oracle(backend, check):
         want = oracle.nystrom_oracle(trace, k, v, t0, p, q[p].reshape(nh, hd), m=m, w=w, sink=sink, scale=scale,
                                      rcond=1e-3)
         check.close("nystrom_step", out, want, f"step at position {p}")
+
+
+@pytest.mark.quick
+def test_bounded_ring_equals_a_sliding_window_f32_layer(backend, check):
+    # The ring stores raw keys and rotates them at their positions; an
+    # unbounded F32 layer fed the same keys pre-rotated and attended with a
+    # window of W rows must answer the same (no sinks).
+    kvh, hd, window, hpk = 2, 16, 6, 2
+    nh = kvh * hpk
+    ring = LayerKvCache(kvh, hd, KvMode.F32, backend)
+    ring.install_bounded(window)
+    flat = LayerKvCache(kvh, hd, KvMode.F32, backend)
+    rope = BoundedRope(theta=10000.0)
+    empty = np.zeros((kvh, 0, hd), np.float32)
+    weights = BoundedWeights(empty, empty, 0, [window] * kvh)
+    scale = hd ** -0.5
+    for t in range(3 * window + 2):
+        k = rng_rows(170 + t, 1, kvh * hd)[0].reshape(kvh, hd)
+        v = rng_rows(270 + t, 1, kvh * hd)[0].reshape(kvh, hd)
+        q = queries(370 + t, nh, hd, 2.0)
+        out = ring.bounded_step(q, k, v, weights, rope, scale, nh)
+        flat.append(rope.apply(k[:, None, :], [t])[:, 0, :], v)
+        qr = rope.apply(q[:, None, :], [t])[:, 0, :]
+        n = flat.seq_len
+        want = np.concatenate([flat.attend_group(qr[g * hpk:(g + 1) * hpk], g, scale=scale,
+                                                 first=max(n - window, 0)) for g in range(kvh)])
+        check.close("bounded_attend", out, want, f"step {t}")
