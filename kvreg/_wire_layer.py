@@ -48,14 +48,16 @@ class WireMixin:
         checked first; a refused import raises :class:`WireError` and leaves
         the layer exactly as it was. Learned sinks are weights: kept.
         """
-        expect = Expect(
+        self._apply_record(decode_layer(buf, self._wire_expect()))
+
+    def _wire_expect(self) -> Expect:
+        """This layer's facts a peer's record is checked against."""
+        return Expect(
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, identity=self.wire_identity,
             layer=self.wire_layer, kind=self.wire_kind,
             bounded_window=None if self.bounded is None else self.bounded.window,
             linear_wire_allowed=self._linear_wire_allowed,
         )
-        rec = decode_layer(buf, expect)
-        self._apply_record(rec)
 
     def _apply_record(self, rec: LayerState) -> None:
         # Nothing below can fail: the record is complete and checked.

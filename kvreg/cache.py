@@ -8,7 +8,7 @@ from . import _validate as V
 from .errors import ConfigError, WireError
 from .layer import LayerKvCache
 from .modes import KvMode
-from .wire import decode_cache, encode_cache
+from .wire import decode_cache, decode_layer, encode_cache
 
 
 @dataclass(frozen=True)
@@ -113,17 +113,9 @@ class KvCache:
     def import_wire(self, buf) -> None:
         """Install a container exported by :meth:`export_wire`: every layer
         record is decoded and checked before any layer changes."""
-        from .wire import Expect, decode_layer
-
         blobs = decode_cache(buf)
         if len(blobs) != len(self.layers):
             raise WireError(f"kv import: container holds {len(blobs)} layers, this cache has {len(self.layers)}")
-        records = []
-        for layer, blob in zip(self.layers, blobs):
-            expect = Expect(num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-                            identity=layer.wire_identity, layer=layer.wire_layer, kind=layer.wire_kind,
-                            bounded_window=None if layer.bounded is None else layer.bounded.window,
-                            linear_wire_allowed=layer._linear_wire_allowed)
-            records.append(decode_layer(blob, expect))
+        records = [decode_layer(blob, layer._wire_expect()) for layer, blob in zip(self.layers, blobs)]
         for layer, rec in zip(self.layers, records):
             layer._apply_record(rec)
