@@ -1,31 +1,15 @@
-"""The O(1) seal lifecycle on a layer: the seed's tests and its validation."""
+"""The O(1) seal lifecycle on a layer: validation, latch, memory (seed tests: conformance/test_seed.py)."""
 
 import numpy as np
 import pytest
 
-from kvreg import EvictionPolicy, KvCache, KvMode, LayerKvCache, SealError, StateError
+from kvreg import KvMode, LayerKvCache, SealError, StateError
 from kvreg.nystrom import O1Rect
 from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
 
 
 def layer(nkv=1, hd=4, mode=KvMode.F32):
     return LayerKvCache(nkv, hd, mode, "reference")
-
-
-def test_o1_batch_ending_on_boundary_does_not_cross_it():
-    B = 19
-    lay = KvCache(1, 1, 4, 64, mode="f32", backend="reference").layers[0]
-    lay.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
-    for _ in range(B - 3):
-        lay.o1_push_q(np.full(8, 0.1, np.float32))
-        lay.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))
-    assert not lay.o1_boundary_crossed_by(1)
-    assert not lay.o1_boundary_crossed_by(3), "ends on B: exact rows only"
-    assert lay.o1_boundary_crossed_by(4), "row B+1 must not be exact"
-    for _ in range(3):
-        lay.o1_push_q(np.full(8, 0.1, np.float32))
-        lay.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))
-    assert lay.o1_boundary_crossed_by(1), "at B every row is past it"
 
 
 def test_walk_boundary_env_walks_a_batch_ending_on_it(monkeypatch):
@@ -35,27 +19,6 @@ def test_walk_boundary_env_walks_a_batch_ending_on_it(monkeypatch):
     assert lay.o1_boundary_crossed_by(5)
     monkeypatch.delenv("KVREG_O1_WALK_BOUNDARY")
     assert not lay.o1_boundary_crossed_by(5)
-
-
-@pytest.mark.parametrize("policy", [EvictionPolicy.Recent, EvictionPolicy.Born(sink=2)])
-def test_collecting_o1_eviction_retains_exact_storage_until_boundary(policy):
-    B = 19
-    q, k, v = np.full(8, 0.1, np.float32), np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32)
-    cache = KvCache(1, 1, 4, 6, policy, mode="f32", backend="reference")
-    cache.layers[0].o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
-    for pos in range(B):
-        cache.layers[0].o1_push_q(q)
-        cache.layers[0].append(k, v)
-        if pos + 1 < B:
-            cache.evict(3)
-    lay = cache.layers[0]
-    assert lay.seq_len == B, f"{policy} retained depth"
-    assert lay.head_len(0) == B and lay.head_keys(0).shape == (B, 4)
-    assert lay.storage.cap >= B
-    assert lay.o1_q_trace().size == B * 8, "the query trace covers the exact prefix"
-    assert lay.o1_seal_checked(2)
-    assert lay.storage.cap == 0 and lay.reserved_bytes() == 0, "K/V released after seal"
-    assert lay.seq_len == B
 
 
 def _prompt(t=96, nh=4, nkv=2, hd=16, seed=0):
