@@ -19,19 +19,72 @@ the visible rows only, which is what makes the kernel contract's invariants
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, set_parallel_chunksize
+from numba.core import types
+from numba.extending import intrinsic
 
 from . import config
+from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
 
 _FM = set(config.FASTMATH)
 _CACHE = config.CACHE
 
 #: Channels per K scale (kvreg.modes.KV_K_GROUP; the backend checks they agree).
 K_GROUP = 32
+#: q8 rows dequantized at a time: 16 x 128 x 4 B = 8 KiB per buffer, K and V
+#: together well inside L1 (32 rows measured 15% slower at 16k rows), and
+#: far below malloc's mmap threshold (no page faults per task). A multiple
+#: of 4 (the 4-row score/value sweeps).
+SUB_ROWS = 16
 
 _NEG_INF = np.float32(-np.inf)
 _ZERO = np.float32(0.0)
+
+
+# ---------------------------------------------------------------------------
+# a vectorizable exp (no SVML here: Numba's np.exp is a scalar libm call per
+# element, ~2.5 ns, a fifth of a decode row's compute)
+# ---------------------------------------------------------------------------
+
+
+@intrinsic
+def _f32_from_bits(typingctx, x):
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_LO = np.float32(-87.0)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM, inline="always")
+def fexp(x):
+    """exp(x) for float32 ``x <= 0`` (softmax arguments): Cody-Waite range
+    reduction, a degree-6 polynomial and 2^n built from its bits; within
+    3e-7 relative of exp. Results below 2^-126 (x < -87) flush to 0, -inf
+    gives exactly 0. Pure arithmetic and selects, so LLVM vectorizes it."""
+    xc = max(x, _EXP_LO)
+    n = np.floor(xc * _LOG2E + np.float32(0.5))
+    r = xc - n * _LN2_HI - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    y = p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
+    return y if x >= _EXP_LO else _ZERO
 
 
 # ---------------------------------------------------------------------------
@@ -49,8 +102,30 @@ def _dequant_k_rows(kq, ks, g, p0, nr, buf):
     # of a possibly negative index (range(lo, hi)) defeats the vectorizer.
     src = kq[g]
     sc = ks[g]
-    # Unsigned indices: numba's wraparound of a possibly negative signed
-    # index on every access keeps LLVM from vectorizing this loop (4x).
+    if hd == ngk * K_GROUP and ngk % 4 == 0:
+        # hd = 128, 256, ...: four groups per loop of constant trip count 32,
+        # one long vector stream each (short per-group loops cost more in
+        # loop overhead than the conversion itself).
+        for r in range(nr):
+            a = src[p0 + r]
+            b = buf[r]
+            s = sc[p0 + r]
+            for j0 in range(0, ngk, 4):
+                s0 = s[j0]
+                s1 = s[j0 + 1]
+                s2 = s[j0 + 2]
+                s3 = s[j0 + 3]
+                a4 = a[j0 * K_GROUP:(j0 + 4) * K_GROUP]
+                b4 = b[j0 * K_GROUP:(j0 + 4) * K_GROUP]
+                for d in range(K_GROUP):
+                    b4[d] = np.float32(a4[d]) * s0
+                    b4[K_GROUP + d] = np.float32(a4[K_GROUP + d]) * s1
+                    b4[2 * K_GROUP + d] = np.float32(a4[2 * K_GROUP + d]) * s2
+                    b4[3 * K_GROUP + d] = np.float32(a4[3 * K_GROUP + d]) * s3
+        return
+    # Any other hd (a short last group too). Unsigned indices: numba's
+    # wraparound of a possibly negative signed index on every access keeps
+    # LLVM from vectorizing this loop (4x).
     for r in range(nr):
         p = np.uint64(p0 + r)
         for j in range(ngk):
@@ -71,52 +146,55 @@ def _dequant_v_rows(vq, vs, g, p0, nr, buf):
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
-def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
-                   p0, nr, col0, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out):
-    """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
-    heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
-    in ``E[row, col0 : col0+nr]`` (kept for the importance pass)."""
+def _scores(qg, row0, nheads, kb, nr, scale, E, col):
+    """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``.
+
+    Four rows per head per sweep: q is loaded once for four independent FMA
+    chains. Whether a row takes the 4-row or the 1-row form depends only on
+    its place in its block (sub-blocks are multiples of 4 rows), and blocks
+    are anchored at `first`, so every invariant call pair computes each
+    score with the same code."""
     hd = qg.shape[1]
-    if kquant:
-        _dequant_k_rows(kq, ks, g, p0, nr, kbuf)
-    for r in range(nr):
-        if kquant:
-            krow = kbuf[r]
-        else:
-            krow = kf[g, p0 + r]
+    r = 0
+    while r + 4 <= nr:
+        k0 = kb[r]
+        k1 = kb[r + 1]
+        k2 = kb[r + 2]
+        k3 = kb[r + 3]
         for h in range(nheads):
             qh = qg[row0 + h]
-            acc = _ZERO
+            a0 = _ZERO
+            a1 = _ZERO
+            a2 = _ZERO
+            a3 = _ZERO
             for d in range(hd):
-                acc += qh[d] * krow[d]
-            E[row0 + h, col0 + r] = acc * scale
-    for h in range(nheads):
-        e = E[row0 + h, col0:col0 + nr]
-        if softcap > 0:
-            for r in range(nr):
-                e[r] = softcap * np.tanh(e[r] / softcap)
-        m = _NEG_INF
-        for r in range(nr):
-            x = e[r]
-            if x > m:
-                m = x
-        lsum = _ZERO
-        for r in range(nr):
-            x = np.exp(e[r] - m)
-            e[r] = x
-            lsum += x
-        m_out[h] = m
-        l_out[h] = lsum
-        for d in range(hd):
-            acc_out[h, d] = _ZERO
-    if vquant:
-        _dequant_v_rows(vq, vs, g, p0, nr, vbuf)
-    if vquant:
-        vb = vbuf[:nr]
-    else:
-        vb = vf[g, p0:p0 + nr]
-    # Four rows per sweep of the accumulator: a quarter of the load/store
-    # traffic on acc, which otherwise bounds this loop rather than memory.
+                x = qh[d]
+                a0 += x * k0[d]
+                a1 += x * k1[d]
+                a2 += x * k2[d]
+                a3 += x * k3[d]
+            e = E[h, col + r:col + r + 4]
+            e[0] = a0 * scale
+            e[1] = a1 * scale
+            e[2] = a2 * scale
+            e[3] = a3 * scale
+        r += 4
+    while r < nr:
+        k0 = kb[r]
+        for h in range(nheads):
+            qh = qg[row0 + h]
+            a0 = _ZERO
+            for d in range(hd):
+                a0 += qh[d] * k0[d]
+            E[h, col + r] = a0 * scale
+        r += 1
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _accumulate(E, nheads, col, vb, nr, acc_out):
+    """``acc_out[h] += sum_r E[h, col+r] * vb[r]``, four rows per sweep
+    of the accumulator (a quarter of its load/store traffic)."""
+    hd = vb.shape[1]
     r = 0
     while r + 4 <= nr:
         v0 = vb[r]
@@ -124,7 +202,7 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         v2 = vb[r + 2]
         v3 = vb[r + 3]
         for h in range(nheads):
-            e = E[row0 + h, col0 + r:col0 + r + 4]
+            e = E[h, col + r:col + r + 4]
             w0 = e[0]
             w1 = e[1]
             w2 = e[2]
@@ -136,17 +214,60 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     while r < nr:
         v0 = vb[r]
         for h in range(nheads):
-            w0 = E[row0 + h, col0 + r]
+            w0 = E[h, col + r]
             a = acc_out[h]
             for d in range(hd):
                 a[d] += w0 * v0[d]
         r += 1
 
 
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
+                   p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out):
+    """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
+    heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
+    in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8 rows are
+    dequantized ``SUB_ROWS`` at a time into ``kbuf``/``vbuf`` (L1-sized)."""
+    hd = qg.shape[1]
+    if kquant:
+        for s0 in range(0, nr, SUB_ROWS):
+            m = min(SUB_ROWS, nr - s0)
+            _dequant_k_rows(kq, ks, g, p0 + s0, m, kbuf)
+            _scores(qg, row0, nheads, kbuf, m, scale, E, s0)
+    else:
+        _scores(qg, row0, nheads, kf[g, p0:p0 + nr], nr, scale, E, 0)
+    for h in range(nheads):
+        e = E[h, :nr]
+        if softcap > 0:
+            for r in range(nr):
+                e[r] = softcap * np.tanh(e[r] / softcap)
+        m = _NEG_INF
+        for r in range(nr):
+            x = e[r]
+            if x > m:
+                m = x
+        lsum = _ZERO
+        for r in range(nr):
+            x = fexp(e[r] - m)
+            e[r] = x
+            lsum += x
+        m_out[h] = m
+        l_out[h] = lsum
+        for d in range(hd):
+            acc_out[h, d] = _ZERO
+    if vquant:
+        for s0 in range(0, nr, SUB_ROWS):
+            m = min(SUB_ROWS, nr - s0)
+            _dequant_v_rows(vq, vs, g, p0 + s0, m, vbuf)
+            _accumulate(E, nheads, s0, vbuf, m, acc_out)
+    else:
+        _accumulate(E, nheads, 0, vf[g, p0:p0 + nr], nr, acc_out)
+
+
 @njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                   vf, vq, vs, vcol, vcol_set, kquant, vquant, scale, softcap,
-                  sinks, block, imp, out):
+                  sinks, block, imp, out, scratch):
     """Decode attention of the KV groups ``gids`` (the layer entry passes all
     of them, the per-group entry one): the only attention routine, so a
     layer call and per-group calls run the same arithmetic.
@@ -156,6 +277,9 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     per listed group (already clamped, ``n == 0`` gives zeros); ``sinks``:
     one logit per q row or empty; ``imp``: accumulated in place over
     ``[first, min(len(imp), n))``, groups then heads in order.
+    ``scratch``: a float32 buffer the kernel may use (see
+    :func:`scratch_floats`; a fresh allocation per call would page-fault
+    megabytes of scores and partial states on every decode step).
     """
     ngr = gids.shape[0]
     hd = q.shape[1]
@@ -177,11 +301,8 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
 
     # The task list: one task per (group, block), block 0 starting at first.
     tstart = np.zeros(ngr + 1, np.int64)
-    maxspan = 0
     for i in range(ngr):
         span = ns[i] - firsts[i] if ns[i] > 0 else 0
-        if span > maxspan:
-            maxspan = span
         tstart[i + 1] = tstart[i] + (span + block - 1) // block
     ntask = tstart[ngr]
     tgroup = np.empty(ntask, np.int64)
@@ -189,12 +310,21 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         for t in range(tstart[i], tstart[i + 1]):
             tgroup[t] = i
 
-    E = np.empty((nrows, maxspan), np.float32)
-    pm = np.empty((ntask, hpk), np.float32)
-    pl = np.empty((ntask, hpk), np.float32)
-    pacc = np.empty((ntask, hpk, hd), np.float32)
-    bk = block if kquant else 0
-    bv = block if vquant else 0
+    # Scores live block-major, [task, head, row]: each block's scores are
+    # one small contiguous slab (a row-major [head, span] array would put
+    # the heads of a block 4*span bytes apart, often a power of two).
+    o = 0
+    E = scratch[o:o + ntask * hpk * block].reshape((ntask, hpk, block))
+    o += ntask * hpk * block
+    pm = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    o += ntask * hpk
+    pl = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    o += ntask * hpk
+    coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    o += ntask * hpk
+    pacc = scratch[o:o + ntask * hpk * hd].reshape((ntask, hpk, hd))
+    bk = SUB_ROWS if kquant else 0
+    bv = SUB_ROWS if vquant else 0
 
     for t in prange(ntask):
         i = tgroup[t]
@@ -204,12 +334,11 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         kbuf = np.empty((bk, hd), np.float32)
         vbuf = np.empty((bv, hd), np.float32)
         _block_partial(qc, i * hpk, hpk, kf, kq, ks, vf, vq, vs, kquant, vquant,
-                       gids[i], p0, nr, b * block, scale, softcap, E, kbuf, vbuf,
+                       gids[i], p0, nr, scale, softcap, E[t], kbuf, vbuf,
                        pm[t], pl[t], pacc[t])
 
     # Merge the partial states in block order; coef[t, h] turns a block's
     # exp(s - m_block) into the final probability (used for importance).
-    coef = np.empty((ntask, hpk), np.float32)
     for row in prange(nrows):
         i = row // hpk
         h = row - i * hpk
@@ -228,11 +357,11 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
             mx = sinks[row]
         z = _ZERO
         for t in range(t0, t1):
-            w = np.exp(pm[t, h] - mx)
+            w = fexp(pm[t, h] - mx)
             coef[t, h] = w
             z += w * pl[t, h]
         if has_sink:
-            z += np.exp(sinks[row] - mx)
+            z += fexp(sinks[row] - mx)
         for t in range(t0, t1):
             w = coef[t, h]
             a = pacc[t, h]
@@ -261,136 +390,72 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                 if ns[i] == 0 or lo >= hi:
                     continue
                 for h in range(hpk):
-                    row = i * hpk + h
-                    e = E[row]
                     p = lo
                     while p < hi:
                         # Segment of [lo, hi) inside one decode block.
-                        t = tstart[i] + (p - f) // block
-                        seg_end = min(hi, f + ((p - f) // block + 1) * block)
+                        b = (p - f) // block
+                        t = tstart[i] + b
+                        seg_end = min(hi, f + (b + 1) * block)
                         cf = coef[t, h]
                         dst = imp[p:seg_end]
-                        src = e[p - f:seg_end - f]
+                        src = E[t, h, p - f - b * block:seg_end - f - b * block]
                         for j in range(seg_end - p):
                             dst[j] += src[j] * cf
                         p = seg_end
 
 
 # ---------------------------------------------------------------------------
-# q8_2f quantization (exact class: no fast-math anywhere below)
+# prefill chunk: the GEMMs run in BLAS (numpy matmul), the masked softmax and
+# the importance column sums here, fused, in place on the score tile
 # ---------------------------------------------------------------------------
 
 
-@njit(nogil=True, cache=_CACHE)
-def _quant_row(r, group, q, s):
-    # r: the row already divided by the field. Rust's f32::max ignores a NaN
-    # operand, so a NaN channel does not poison its group's scale; the NaN
-    # itself quantizes to 0 (Rust's saturating `as i8`).
-    hd = r.shape[0]
-    ng = s.shape[0]
-    for j in range(ng):
-        d0 = j * group
-        d1 = min(d0 + group, hd)
-        rg = r[d0:d1]
-        qg = q[d0:d1]
-        amax = np.float32(0.0)
-        for d in range(d1 - d0):
-            a = abs(rg[d])
-            if a > amax:
-                amax = a
-        sc = amax / np.float32(127.0)
-        if sc < np.float32(1e-12):
-            sc = np.float32(1e-12)
-        s[j] = sc
-        for d in range(d1 - d0):
-            v = rg[d] / sc
-            if v != v:
-                qg[d] = 0
-                continue
-            t = np.trunc(v)
-            fr = v - t  # exact: no rounding in the tie test
-            if fr >= np.float32(0.5):
-                t += np.float32(1.0)
-            elif fr <= np.float32(-0.5):
-                t -= np.float32(1.0)
-            if t > np.float32(127.0):
-                t = np.float32(127.0)
-            elif t < np.float32(-127.0):
-                t = np.float32(-127.0)
-            qg[d] = np.int8(t)
+@njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
+def chunk_softmax(S, scale, s0, i0, bt, klo, window):
+    """Causal (and windowed) softmax in place on a score tile ``S [hpk*bt,
+    nk]`` whose row ``h*bt + r`` is query row ``i0 + r`` of the chunk and
+    whose column ``j`` is key ``klo + j``; masked entries become exactly 0."""
+    m_rows, nk = S.shape
+    for row in prange(m_rows):
+        i = i0 + row % bt
+        end = s0 + i + 1 - klo
+        lo = 0
+        if window > 0:
+            lo = max(0, s0 + i + 1 - window) - klo
+        x = S[row]
+        for j in range(lo):
+            x[j] = _ZERO
+        seg = x[lo:end]
+        mx = _NEG_INF
+        for j in range(end - lo):
+            v = seg[j] * scale
+            seg[j] = v
+            if v > mx:
+                mx = v
+        z = _ZERO
+        for j in range(end - lo):
+            e = fexp(seg[j] - mx)
+            seg[j] = e
+            z += e
+        if z > 0:
+            inv = np.float32(1.0) / z
+            for j in range(end - lo):
+                seg[j] *= inv
+        tail = x[end:]
+        for j in range(nk - end):
+            tail[j] = _ZERO
 
 
-@njit(nogil=True, cache=_CACHE)
-def quantize_rows(x, col, group):
-    """``(q int8 [n, hd], s f32 [n, ceil(hd/group)])`` of rows ``x [n, hd]``
-    against the field ``col`` ``[m, hd]``: ``m == 0`` no field, ``m == 1``
-    one field for every row, ``m == n`` a field per row (a row per KV head);
-    bit for bit the contract of docs/kernels.md."""
-    n, hd = x.shape
-    ng = (hd + group - 1) // group
-    q = np.empty((n, hd), np.int8)
-    s = np.empty((n, ng), np.float32)
-    r = np.empty(hd, np.float32)
-    m = col.shape[0]
-    for i in range(n):
-        xi = x[i]
-        if m == 0:
-            for d in range(hd):
-                r[d] = xi[d]
-        else:
-            c = col[i if m > 1 else 0]
-            for d in range(hd):
-                r[d] = xi[d] / c[d]
-        _quant_row(r, group, q[i], s[i])
-    return q, s
-
-
-@njit(nogil=True, cache=_CACHE)
-def dequantize_rows(q, s, group):
-    """``q * s`` per group, float32 ``[n, hd]`` (without the field)."""
-    n, hd = q.shape
-    out = np.empty((n, hd), np.float32)
-    for i in range(n):
-        for d in range(hd):
-            out[i, d] = np.float32(q[i, d]) * s[i, d // group]
-    return out
-
-
-@njit(nogil=True, cache=_CACHE)
-def freeze_field(q, s, group):
-    """Freeze the 2f field over one head's ``n`` stored rows: dequantize,
-    ``col = max(sqrt(sum_p x^2 / n), 1e-6)`` with the sum in row order, and
-    requantize every row against it. Returns ``(col, q2, s2)``."""
-    n, hd = q.shape
-    rows = dequantize_rows(q, s, group)
-    acc = np.zeros(hd, np.float32)
-    for p in range(n):
-        for d in range(hd):
-            acc[d] += rows[p, d] * rows[p, d]
-    col = np.empty(hd, np.float32)
-    nf = np.float32(n)
-    for d in range(hd):
-        c = np.sqrt(acc[d] / nf)
-        if c < np.float32(1e-6) or c != c:
-            c = np.float32(1e-6)
-        col[d] = c
-    q2, s2 = quantize_rows(rows, col.reshape(1, hd), group)
-    return col, q2, s2
-
-
-@njit(nogil=True, cache=_CACHE)
-def gather_rows(rows, kept):
-    """``rows[kept]`` of one head's ``[cap, w]`` rows (eviction): bit for bit
-    the old rows, in ``kept`` order."""
-    w = rows.shape[1]
-    m = kept.shape[0]
-    out = np.empty((m, w), rows.dtype)
-    for i in range(m):
-        src = rows[kept[i]]
-        dst = out[i]
-        for d in range(w):
-            dst[d] = src[d]
-    return out
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def column_sums_into(S, dst):
+    """``dst[j] += sum_rows S[row, j]``, rows in order. Serial on purpose:
+    it is one streaming pass (a fraction of a GEMM's time), and a parallel
+    region here costs more in synchronisation than it saves."""
+    m_rows, nk = S.shape
+    for row in range(m_rows):
+        x = S[row]
+        for j in range(nk):
+            dst[j] += x[j]
 
 
 # ---------------------------------------------------------------------------
@@ -445,6 +510,38 @@ def _imp(imp):
     return imp
 
 
+_tls = threading.local()
+
+
+def scratch_floats(nrows, hpk, hd, firsts, ns, block):
+    """Floats :func:`attend_groups` needs for these groups."""
+    span = np.where(ns > 0, ns - firsts, 0)
+    ntask = int(((span + block - 1) // block).sum())
+    return ntask * hpk * (block + 3 + hd)
+
+
+def _scratch(nfloats):
+    # Per thread (kernels release the GIL), grown by doubling, never shrunk.
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.shape[0] < nfloats:
+        buf = np.empty(max(nfloats, 2 * (0 if buf is None else buf.shape[0]), 1024), np.float32)
+        _tls.buf = buf
+    return buf
+
+
+def _run(*args):
+    # Dynamic scheduling (config.TASK_CHUNK tasks at a time): a thread that
+    # loses its core on a shared machine, or draws a short group, no longer
+    # stalls the others. Every task writes its own slot and the merge runs
+    # in block order, so the schedule cannot change a bit. Set from Python:
+    # inside a kernel it would make the kernel uncacheable.
+    old = set_parallel_chunksize(config.TASK_CHUNK)
+    try:
+        attend_groups(*args)
+    finally:
+        set_parallel_chunksize(old)
+
+
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
                  v=None, vq=None, vs=None, vcol=None, vcol_set=None, scale,
                  window=0, softcap=0.0, sinks=None, imp=None, upto=None,
@@ -468,10 +565,12 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     firsts = np.minimum(firsts, np.maximum(n - 1, 0)).astype(np.int64)
     if out is None:
         out = np.empty((nh, hd), np.float32)
-    attend_groups(q, hpk, np.arange(nkv, dtype=np.int64), firsts, n.astype(np.int64),
+    n = n.astype(np.int64)
+    block = int(block or config.DECODE_BLOCK)
+    _run(q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
-                  int(block or config.DECODE_BLOCK), _imp(imp), out)
+                  block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
     return out
 
 
@@ -488,9 +587,48 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     f = min(int(first), max(n - 1, 0))
     if out is None:
         out = np.empty((nheads, hd), np.float32)
-    attend_groups(q_group, nheads, np.array([g], np.int64), np.array([f], np.int64),
-                  np.array([n], np.int64),
+    firsts = np.array([f], np.int64)
+    ns = np.array([n], np.int64)
+    block = int(block or config.DECODE_BLOCK)
+    _run(q_group, nheads, np.array([g], np.int64), firsts, ns,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
-                  int(block or config.DECODE_BLOCK), _imp(imp), out)
+                  block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
+    return out
+
+
+def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=None):
+    """Causal attention of a prefill chunk: ``q [b, nh, hd]``; rows
+    ``[s0, s0+b)`` of every KV head of ``k``/``v`` (``[nkv, cap, hd]`` f32)
+    are the chunk's own rows; row ``i`` sees keys
+    ``[max(0, s0+i+1-window), s0+i+1)``. Per KV group and query tile the
+    group's heads are stacked into one GEMM panel and only the keys some row
+    of the tile can see are touched (O(b*(b+w)) for a windowed layer).
+    ``imp`` gets the masked column sums. Returns ``[b, nh, hd]`` float32."""
+    q = np.asarray(q, dtype=np.float32)
+    _, nh, hd = q.shape
+    nkv = nh // hpk
+    w = int(window or 0)
+    n = s0 + b
+    nk_max = n - (max(0, s0 + 1 - w) if w else 0)
+    bt_max = int(q_tile or config.CHUNK_Q_TILE)
+    bt_max = max(1, min(bt_max, config.CHUNK_TILE_BYTES // (4 * hpk * max(nk_max, 1))))
+    ntile = -(-b // bt_max)
+    bt_max = -(-b // ntile)  # even tiles
+    out = np.empty((b, nh, hd), np.float32)
+    scale = np.float32(scale)
+    ni = 0 if imp is None else min(imp.shape[0], n)
+    for g in range(nkv):
+        qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
+        for i0 in range(0, b, bt_max):
+            bt = min(bt_max, b - i0)
+            klo = max(0, s0 + i0 + 1 - w) if w else 0
+            khi = s0 + i0 + bt
+            panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
+            S = panel @ k[g, klo:khi].T
+            chunk_softmax(S, scale, s0, i0, bt, klo, w)
+            o = S @ v[g, klo:khi]
+            out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
+            if ni > klo:
+                column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])
     return out

@@ -1,0 +1,106 @@
+"""``NumbaBackend``: kvreg's kernels compiled for the CPU with Numba.
+
+Native kernels: ``attend_group``, ``attend_layer`` (one parallel kernel for
+every KV group: the decode fast path), ``attend_chunk`` (BLAS GEMMs with a
+fused Numba masked softmax), ``quantize_rows`` and ``gather_rows`` (exact
+class). The bounded and Nyström kernels are inherited from the reference.
+
+Importing this module does not import numba (the registry imports it to
+register the class); the kernels load when the backend is instantiated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvreg.errors import BackendError
+from kvreg.modes import KV_K_GROUP
+from kvreg.reference import ReferenceBackend
+
+
+def _load_kernels():
+    try:
+        from . import kernels
+    except ImportError as exc:  # numba missing or broken: say how to fix it
+        raise BackendError(
+            f"the numba backend cannot start: {exc}. Install it with `pip install kvreg-numba` "
+            "(which pulls numba), or pick another backend with KVREG_BACKEND=reference."
+        ) from exc
+    if kernels.K_GROUP != KV_K_GROUP:
+        raise BackendError(f"kvreg-numba was built for {kernels.K_GROUP}-channel K groups, kvreg uses {KV_K_GROUP}")
+    return kernels
+
+
+def _storage_args(st) -> dict:
+    """The storage arrays of a layer, as the kernels take them (None = absent)."""
+    quant_k = st.mode.quant_k
+    quant_v = st.mode.quant_v
+    return dict(
+        k=None if quant_k else st.k,
+        kq=st.kq if quant_k else None,
+        ks=st.ks if quant_k else None,
+        kcol=st.kcol if quant_k else None,
+        kcol_set=st.kcol_set if quant_k else None,
+        v=None if quant_v else st.v,
+        vq=st.vq if quant_v else None,
+        vs=st.vs if quant_v else None,
+        vcol=st.vcol if quant_v else None,
+        vcol_set=st.vcol_set if quant_v else None,
+    )
+
+
+class NumbaBackend(ReferenceBackend):
+    """Numba CPU kernels; everything else from the NumPy reference."""
+
+    name = "numba"
+    priority = 10
+    auto = True
+
+    def __init__(self, device: str | None = None):
+        if device not in (None, "cpu"):
+            raise BackendError(f"the numba backend runs on the CPU only, not on {device!r}")
+        super().__init__("cpu")
+        self._k = _load_kernels()
+
+    def describe(self) -> str:
+        import numba
+
+        return f"numba {numba.__version__} on cpu ({numba.get_num_threads()} threads)"
+
+    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        if st.cap == 0 or int(st.lens[g]) == 0:
+            return np.zeros_like(q)
+        return self._k.attend_group(
+            q, g, st.lens, first=first, upto=upto, scale=scale, softcap=softcap or 0.0,
+            sinks=sinks, imp=imp, **_storage_args(st),
+        )
+
+    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        if st.cap == 0:
+            return np.zeros_like(q)
+        return self._k.attend_layer(
+            q, st.lens, window=int(window or 0), scale=scale, softcap=softcap or 0.0,
+            sinks=sinks, imp=imp, **_storage_args(st),
+        )
+
+    def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
+        if st.k is None or st.v is None:
+            # The core hands q8 layers over as a dequantized F32 view.
+            return super().attend_chunk(q, st, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+        return self._k.attend_chunk(q, st.k, st.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+
+    def quantize_rows(self, x, col, group):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if col is None:
+            c = np.empty((0, x.shape[1]), np.float32)
+        else:
+            c = np.ascontiguousarray(col, dtype=np.float32)
+            if c.ndim == 1:
+                c = c.reshape(1, -1)
+        return self._k.quantize_rows(x, c, int(group))
+
+    def gather_rows(self, rows, idx):
+        idx = np.ascontiguousarray(idx, dtype=np.int64)
+        if rows.ndim == 2 and rows.flags.c_contiguous:
+            return self._k.gather_rows(rows, idx)
+        return rows[idx]  # 1-D scales: a plain copy is all there is to it
