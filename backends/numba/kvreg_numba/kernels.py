@@ -221,6 +221,20 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
         r += 1
 
 
+@njit(nogil=True, cache=_CACHE)
+def _add_probs(dst, src, cf):
+    """``dst += src * cf``, each product rounded to float32 first. A fused
+    multiply-add would make a group's importance differ in the last bit from
+    the sum of its heads' own probabilities; the products go through a buffer
+    in a loop of their own so no multiply meets its add in one block."""
+    n = dst.shape[0]
+    prob = np.empty(n, np.float32)
+    for j in range(n):
+        prob[j] = src[j] * cf
+    for j in range(n):
+        dst[j] = dst[j] + prob[j]
+
+
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
                    p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out):
@@ -396,11 +410,8 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                         b = (p - f) // block
                         t = tstart[i] + b
                         seg_end = min(hi, f + (b + 1) * block)
-                        cf = coef[t, h]
-                        dst = imp[p:seg_end]
-                        src = E[t, h, p - f - b * block:seg_end - f - b * block]
-                        for j in range(seg_end - p):
-                            dst[j] += src[j] * cf
+                        _add_probs(imp[p:seg_end], E[t, h, p - f - b * block:seg_end - f - b * block],
+                                   coef[t, h])
                         p = seg_end
 
 
