@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvreg-installed
 PIP := $(BIN)/python -m pip
 
-.PHONY: install run test test-slow conformance bench clean
+.PHONY: install run test test-slow conformance bench asv clean
 
 $(STAMP): pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
-	$(BIN)/kvreg conformance --backend all --quick
+	$(BIN)/kvreg conformance --backend all
 
 test-slow: install
 	KVREG_SLOW=1 KVREG_FUZZ_LONG=1 $(BIN)/python -m pytest tests backends/numba/tests backends/opencl/tests -q
@@ -35,6 +35,11 @@ conformance: install
 
 bench: install
 	$(BIN)/kvreg bench
+
+asv: install
+	$(PIP) install -q asv
+	$(BIN)/asv machine --yes
+	$(BIN)/asv run --python=same --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .asv

@@ -44,7 +44,8 @@ def _collect() -> dict[str, type[Backend]]:
             _load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"kvreg: backend plugin {ep.name!r} failed to load: {exc}", stacklevel=3)
     for plugin in _extra_plugins:
-        pm.register(plugin)
+        if not pm.is_registered(plugin):   # an installed plugin registered again in-process
+            pm.register(plugin)
     found: dict[str, type[Backend]] = {}
 
     def register(cls: type) -> None:
