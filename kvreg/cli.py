@@ -51,7 +51,8 @@ def _cmd_wire_inspect(args) -> int:
         return 2
     report = inspect(buf)
     print(report)
-    return 1 if "ERROR" in report.upper().split("\n", 1)[0] or "\nERROR" in report.upper() else 0
+    # inspect() ends with an "OK: ..." or "ERROR: ..." verdict line.
+    return 1 if report.rstrip().splitlines()[-1].startswith("ERROR") else 0
 
 
 def _cmd_conformance(args) -> int:
