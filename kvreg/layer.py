@@ -20,6 +20,7 @@ from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
 from ._wire_layer import WireMixin
 from .storage import LayerStorage, next_generation
+from .wire import WireKind
 
 
 class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
@@ -37,7 +38,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
         mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
-        self.backend = get_backend(backend) if not hasattr(backend, "attend_group") else backend
+        self.backend = get_backend(backend)
         self._st = LayerStorage(self.num_kv_heads, self.head_dim, mode)
         self._seq_len = 0
         self._base = 0
@@ -48,17 +49,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._linear_wire_allowed = True
         self._kv_amax = [0.0, 0.0]
         self._kv_amax_rows = 0
-        self._init_extensions(layer)
-
-    def _init_extensions(self, layer: int) -> None:
-        # State of the optional capabilities (wire, bounded ring, O(1) seal);
-        # their methods live in the mixin modules that read these fields.
-        from .wire import WireKind
-
+        # The wire record this layer exchanges (v2 header fields).
         self.wire_kind = WireKind.Full
         self.wire_layer = int(layer)
         self.wire_identity = 0
-        self.bounded = None
+        self.bounded = None   # the bounded ring, once install_bounded ran
         self._init_o1()
 
     # ── plain state ──

@@ -123,12 +123,12 @@ def get_backend(name: str | None = None, device: str | None = None) -> Backend:
     Instances are shared per (name, device): backends hold compiled programs
     and device contexts worth reusing.
     """
+    if isinstance(name, Backend):
+        return name
     if name is None:
         name = os.environ.get("KVREG_BACKEND", "").strip() or "auto"
     if device is None:
         device = os.environ.get("KVREG_DEVICE", "").strip() or None
-    if isinstance(name, Backend):
-        return name
     name = name.lower()
     if name == "auto":
         return _auto(device)
