@@ -1,12 +1,19 @@
 """Decode-attend benchmark of kvreg-opencl (not a test).
 
     KVREG_DEVICE=0:0 python backends/opencl/bench_opencl.py [--rows 1024,4096,16384] [--mode f32|q8]
+    KVREG_DEVICE=0:0 python backends/opencl/bench_opencl.py --mode bounded [--window 4096]
 
 32 Q heads / 8 KV heads, hd 128, one whole-layer attend per call on
 device-resident rows (the mirror is synced once; a decode step re-uses it).
 Prints ms per call and the effective K+V read bandwidth, and the same call
 on kvreg-numba's CPU kernel when that package is importable (the ratio is
 the claim: both measured in the same run, same data).
+
+``--mode bounded``: one bounded decode step per call (insert a row into a
+full ring of ``--window`` slots, then ``bounded_attend`` with 4 sinks), the
+OpenCL backend against the NumPy reference (and kvreg-numba when
+importable), each on its own copy of the same ring so every OpenCL call is a
+one-slot mirror update.
 """
 
 from __future__ import annotations
@@ -64,15 +71,75 @@ def timeit(fns, reps: int) -> tuple[list[float], list[float]]:
     return best, cpu
 
 
+def bench_bounded(window: int, reps: int, use_numba: bool):
+    from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights
+    from kvreg.reference import ReferenceBackend
+
+    from kvreg_opencl.backend import OpenCLBackend
+
+    rng = np.random.default_rng(2)
+    sink = 4
+    weights = BoundedWeights(rng.standard_normal((NKV, sink, HD), dtype=np.float32),
+                             rng.standard_normal((NKV, sink, HD), dtype=np.float32), sink, [window] * NKV)
+    rope = BoundedRope()
+    ring_k = rng.standard_normal((NKV, window, HD), dtype=np.float32)
+    ring_v = rng.standard_normal((NKV, window, HD), dtype=np.float32)
+    backends = [("opencl", OpenCLBackend()), ("reference", ReferenceBackend())]
+    if use_numba:
+        try:
+            from kvreg_numba.backend import NumbaBackend
+
+            backends.append(("numba", NumbaBackend()))
+        except Exception as exc:  # noqa: BLE001  (not installed or not importable: compare without it)
+            print(f"numba not compared: {exc}")
+    q = rng.standard_normal((NQ, HD), dtype=np.float32)
+    scale = 1.0 / np.sqrt(HD)
+    nsteps = 1 + 1 + 1 + reps  # warm-up, answer check, timed reps (+1 slack)
+    rows = [(rng.standard_normal((NKV, HD), dtype=np.float32),
+             rng.standard_normal((NKV, HD), dtype=np.float32)) for _ in range(nsteps + 2)]
+    states = []
+    for _ in backends:
+        st = BoundedState(NKV, HD, window)
+        st.load(ring_k, ring_v, 3 * window + 17)  # full ring, wrapped
+        states.append(st)
+
+    def step(i):
+        be, st = backends[i][1], states[i]
+
+        def fn():
+            st.insert(*rows[st.seen - 3 * window - 17])
+            return be.bounded_attend(q, st.ring_k, st.ring_v, st.seen, weights.sink_k, weights.sink_v,
+                                     weights.group_windows, rope, scale, NQ)
+        return fn
+
+    fns = [step(i) for i in range(len(backends))]
+    times, cpu = timeit(fns, reps)
+    outs = [fn() for fn in fns]  # same step count on every copy: same ring, same answer
+    ref = outs[1]
+    m = backends[0][1].ring_mirror(states[0].ring_k).counters()
+    nbytes = 2 * NKV * window * HD * 4
+    print(f"bounded window={window} sink={sink} {NQ}Q/{NKV}KV hd {HD} "
+          f"(ring K+V {nbytes / 2**20:.0f} MiB); ring mirror: {m['slot_uploads']} one-slot updates, "
+          f"{m['full_reuploads']} full upload(s)")
+    for (name, _), t, c, o in zip(backends, times, cpu, outs):
+        rel = float(np.abs(o - ref).max() / np.abs(ref).max())
+        print(f"  {name:9s} {t*1e3:8.3f} ms (cpu {c*1e3:7.2f} ms)  vs reference wall {t/times[1]:5.2f}x "
+              f"cpu {c/cpu[1]:5.2f}x  maxrel {rel:.1e}", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1024,4096,16384")
-    ap.add_argument("--mode", default="f32", choices=("f32", "q8"))
+    ap.add_argument("--mode", default="f32", choices=("f32", "q8", "bounded"))
+    ap.add_argument("--window", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-numba", action="store_true")
     a = ap.parse_args(argv)
     dev = device.get_device()
     print(f"device {dev}  BLOCK_ROWS={config.BLOCK_ROWS} LOCAL_SIZE={config.LOCAL_SIZE}")
+    if a.mode == "bounded":
+        bench_bounded(a.window, a.reps, not a.no_numba)
+        return
     try:
         if a.no_numba:
             raise ImportError

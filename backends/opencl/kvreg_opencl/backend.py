@@ -1,14 +1,18 @@
 """``OpenCLBackend``: the kvreg kernel surface on an OpenCL device.
 
 Native: ``attend_group``, ``attend_layer``, ``attend_chunk`` (every KV mode:
-F32, Q8, Q8K, Q8V), ``quantize_rows`` (exact class; only on a device with
-correctly rounded fp32 division, else the reference's). Inherited from the
-NumPy reference: ``gather_rows`` (a host-side storage operation), bounded
-and Nyström kernels.
+F32, Q8, Q8K, Q8V), ``bounded_attend``, ``quantize_rows`` (exact class; only
+on a device with correctly rounded fp32 division, else the reference's) and
+``nystrom_step`` (float64; only on a device with fp64, else the reference's).
+Inherited from the NumPy reference: ``gather_rows`` (a host-side storage
+operation), ``nystrom_prefill`` and ``nystrom_absorb`` (once per seal / per
+row, float64 GEMMs and rank-1 updates NumPy already does well).
 
 Each layer storage gets a :class:`~kvreg_opencl.mirror.DeviceMirror` (held
 weakly, so a dropped layer frees its device memory) that is synced before
-every attend: a decode step uploads only the appended rows.
+every attend: a decode step uploads only the appended rows. Each bounded
+ring gets a :class:`~kvreg_opencl.bounded.RingMirror` the same way: a decode
+step uploads only the slot it wrote.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ from __future__ import annotations
 import weakref
 
 import numpy as np
-
+from kvreg.bounded import check_bounded_attend_args
 from kvreg.errors import BackendError
 from kvreg.reference import ReferenceBackend
 
+from . import bounded as _bounded
+from . import config, kernels, programs
 from . import device as _device
-from . import kernels
+from . import nystrom as _nystrom
 from .mirror import DeviceMirror
 
 
@@ -39,18 +45,27 @@ class OpenCLBackend(ReferenceBackend):
         self._mirrors: "weakref.WeakKeyDictionary[object, DeviceMirror]" = weakref.WeakKeyDictionary()
         try:
             import pyopencl  # noqa: F401  (already imported by get_device)
-            from . import programs
 
             programs.quant_program(self._dev)
             self._native_quant = True
         except BackendError:
             self._native_quant = False
+        self._rings = _bounded.RingMirrors(self._dev)
+        self._native_nystrom = False
+        if self._dev.info.fp64 and config.NYSTROM_ON_DEVICE is not False:
+            try:
+                programs.nystrom_program(self._dev)
+                self._native_nystrom = True
+            except BackendError:  # an fp64 device whose compiler refuses the program
+                pass
 
     # -- bookkeeping --------------------------------------------------------
     def describe(self) -> str:
         i = self._dev.info
         q = "" if self._native_quant else ", quantize_rows on the reference (no exact fp32 division)"
-        return f"opencl on {i.selector} {i.name} ({i.kind}, {i.platform}{q})"
+        ny = "" if self._native_nystrom else (
+            ", nystrom_step on the reference (" + ("no fp64" if not i.fp64 else "config.NYSTROM_ON_DEVICE") + ")")
+        return f"opencl on {i.selector} {i.name} ({i.kind}, {i.platform}{q}{ny})"
 
     @classmethod
     def devices(cls) -> list[str]:
@@ -70,6 +85,11 @@ class OpenCLBackend(ReferenceBackend):
             m = self._mirrors[st] = DeviceMirror(self._dev)
         m.sync(st)
         return m
+
+    def ring_mirror(self, ring_k):
+        """The device mirror of the bounded ring whose key array is ``ring_k``
+        (not synced: :meth:`bounded_attend` syncs it)."""
+        return self._rings.get(ring_k)
 
     @staticmethod
     def _empty(st) -> bool:
@@ -106,3 +126,18 @@ class OpenCLBackend(ReferenceBackend):
         if not self._native_quant:
             return super().quantize_rows(x, col, group)
         return kernels.quantize_rows(self._dev, x, col, group)
+
+    def bounded_attend(self, q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale,
+                       num_heads):
+        q32, sk, sv, gws, scale = check_bounded_attend_args(
+            q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads)
+        seen = int(seen)
+        m = self._rings.get(ring_k)
+        with kernels._launch_lock:
+            m.sync(ring_k, ring_v, seen, sk, sv, rope)
+            return _bounded.bounded_attend(m, q32, seen, gws, rope, scale)
+
+    def nystrom_step(self, q_group, k_exact, v_exact, far, scale):
+        if not self._native_nystrom:
+            return super().nystrom_step(q_group, k_exact, v_exact, far, scale)
+        return _nystrom.nystrom_step(self._dev, q_group, k_exact, v_exact, far, scale)

@@ -42,3 +42,11 @@ ATTEND_OPTIONS: tuple[str, ...] = ()
 
 #: Build options of the quantize program (exact class: IEEE division).
 QUANT_OPTIONS: tuple[str, ...] = ("-cl-fp32-correctly-rounded-divide-sqrt",)
+
+#: Whether ``nystrom_step`` runs on the device: None = when the device has
+#: fp64 (the step cancels in float64; no float32 version exists), False =
+#: always the NumPy reference. On PoCL's CPU device the kernel is correct but
+#: slower than NumPy per call (launch + per-call upload of the state; see
+#: docs/opencl.md), so a CPU-only deployment may want False. Read when the
+#: backend is created.
+NYSTROM_ON_DEVICE: bool | None = None

@@ -38,6 +38,7 @@ class DeviceInfo:
     global_mem_bytes: int
     local_mem_bytes: int
     correctly_rounded_div_sqrt: bool
+    fp64: bool = False
 
     @property
     def selector(self) -> str:
@@ -83,6 +84,7 @@ def _info(cl, pi, di, plat, dev) -> DeviceInfo:
         global_mem_bytes=int(dev.global_mem_size),
         local_mem_bytes=int(dev.local_mem_size),
         correctly_rounded_div_sqrt=supports_exact_division(cl, dev),
+        fp64=supports_fp64(dev),
     )
 
 
@@ -94,6 +96,17 @@ def supports_exact_division(cl, dev) -> bool:
     fpc = cl.device_fp_config
     need = fpc.CORRECTLY_ROUNDED_DIVIDE_SQRT | fpc.ROUND_TO_NEAREST | fpc.DENORM
     return (cfg & need) == need
+
+
+def supports_fp64(dev) -> bool:
+    """True when the device has double precision (a non-zero
+    ``CL_DEVICE_DOUBLE_FP_CONFIG``; OpenCL 1.2 devices report it with
+    ``cl_khr_fp64``), which the Nyström step needs (docs/opencl.md)."""
+    try:
+        cfg = int(dev.double_fp_config)
+    except Exception:  # noqa: BLE001  (pyopencl LogicError: the query is unknown, so no fp64)
+        return False
+    return cfg != 0 and "cl_khr_fp64" in dev.extensions
 
 
 def _enumerate(cl):

@@ -65,6 +65,39 @@ def _local_size(kernel, dev: DeviceState) -> int:
     return max(1, min(int(want), int(wg)))
 
 
+
+def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs: dict, kcol, vcol,
+                   nl_buf, fi_buf, *, g0: int, ng: int, cap: int, hd: int, hpk: int, hc: int,
+                   br: int, nblk: int, T: int, scale: float, softcap: float, pm, ps, pacc,
+                   scores, sstride: int, want_scores: bool) -> None:
+    """One launch of ``partial_*`` (attend.cl) over row buffers ``bufs``
+    (``k``/``kq``/``ks``/``v``/``vq``/``vs`` laid out ``[nkv, cap, ...]``):
+    writes the block states ``pm``/``ps``/``pacc`` of every token and head."""
+    cl = dev.cl
+    d = scratch(dev).dummy
+    kern = programs.kernel(prg, _VARIANT[quant])
+    L = _local_size(kern, dev)
+    lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
+    local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
+    if local > dev.info.local_mem_bytes:
+        raise BackendError(
+            f"kvreg-opencl: the attend work-group needs {local} bytes of local memory, "
+            f"{dev.info.name!r} has {dev.info.local_mem_bytes}; lower config.BLOCK_ROWS, "
+            "HEADS_PER_WG or LOCAL_SIZE")
+    nchunk = -(-hpk // hc)
+    kern(
+        dev.queue, (nblk * L, ng * nchunk, T), (L, 1, 1),
+        q_buf, bufs.get("k", d), bufs.get("kq", d), bufs.get("ks", d), kcol,
+        bufs.get("v", d), bufs.get("vq", d), bufs.get("vs", d), nl_buf, fi_buf,
+        np.int32(g0), np.int32(ng), np.int32(cap), np.int32(hd),
+        np.int32(hpk), np.int32(hc), np.int32(br), np.int32(nblk),
+        np.float32(scale), np.float32(softcap),
+        pm, ps, pacc, scores, np.int32(sstride), np.int32(want_scores),
+        cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
+        cl.LocalMemory(4 * lanes * hc * hd if lanes > 1 else 4),
+    )
+
+
 def attend_rows(*args, **kwargs):
     """See :func:`_attend_rows`. Serialized per process: the cached kernel
     objects and scratch buffers hold per-launch state."""
@@ -106,7 +139,6 @@ def _attend_rows(
     smax = int(spans.max(initial=0))
     br = int(config.BLOCK_ROWS)
     hc = max(1, min(int(config.HEADS_PER_WG), hpk))
-    nchunk = -(-hpk // hc)
     nblk = max(1, -(-smax // br))
     prg = programs.attend_program(dev)
     sc = scratch(dev)
@@ -121,32 +153,15 @@ def _attend_rows(
     want_scores = bool(want_probs or imp is not None) and smax > 0
     sstride = max(1, smax)
     sc_buf = sc.get("scores", T * nq * sstride * 4) if want_scores else sc.dummy
-    b = mirror.buffers
     d = sc.dummy
     kcol = mirror.kcol if mirror.kcol is not None else d
     vcol = mirror.vcol if mirror.vcol is not None else d
 
     if smax > 0:
-        kern = programs.kernel(prg, _VARIANT[(mirror.k_quant, mirror.v_quant)])
-        L = _local_size(kern, dev)
-        lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
-        local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
-        if local > dev.info.local_mem_bytes:
-            raise BackendError(
-                f"kvreg-opencl: the attend work-group needs {local} bytes of local memory, "
-                f"{dev.info.name!r} has {dev.info.local_mem_bytes}; lower config.BLOCK_ROWS, "
-                "HEADS_PER_WG or LOCAL_SIZE")
-        kern(
-            queue, (nblk * L, ng * nchunk, T), (L, 1, 1),
-            q_buf, b.get("k", d), b.get("kq", d), b.get("ks", d), kcol,
-            b.get("v", d), b.get("vq", d), b.get("vs", d), nl_buf, fi_buf,
-            np.int32(g0), np.int32(ng), np.int32(mirror.cap), np.int32(hd),
-            np.int32(hpk), np.int32(hc), np.int32(br), np.int32(nblk),
-            np.float32(scale), np.float32(softcap),
-            pm, ps, pacc, sc_buf, np.int32(sstride), np.int32(want_scores),
-            cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
-            cl.LocalMemory(4 * lanes * hc * hd if lanes > 1 else 4),
-        )
+        launch_partial(dev, prg, (mirror.k_quant, mirror.v_quant), q_buf, mirror.buffers, kcol, vcol,
+                       nl_buf, fi_buf, g0=g0, ng=ng, cap=mirror.cap, hd=hd, hpk=hpk, hc=hc,
+                       br=br, nblk=nblk, T=T, scale=scale, softcap=softcap, pm=pm, ps=ps,
+                       pacc=pacc, scores=sc_buf, sstride=sstride, want_scores=want_scores)
     has_sinks = sinks is not None
     sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(nq)) if has_sinks else d
     out_buf = sc.get("out", T * nq * hd * 4)

@@ -80,3 +80,18 @@ def quant_program(dev: DeviceState):
             "(or denormals / round-to-nearest); quantize_rows stays on the reference"
         )
     return build(dev, "quant.cl", tuple(config.QUANT_OPTIONS))
+
+
+def bounded_program(dev: DeviceState):
+    return build(dev, "bounded.cl", tuple(config.ATTEND_OPTIONS))
+
+
+def nystrom_program(dev: DeviceState):
+    """The float64 Nyström decode program, or BackendError when the device
+    has no fp64 (the backend then keeps the NumPy reference's step)."""
+    if not dev.info.fp64:
+        raise BackendError(
+            f"kvreg-opencl: {dev.info.name!r} has no fp64 (cl_khr_fp64 / double_fp_config); "
+            "nystrom_step stays on the reference"
+        )
+    return build(dev, "nystrom.cl", tuple(config.ATTEND_OPTIONS))

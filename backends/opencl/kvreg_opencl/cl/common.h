@@ -1,7 +1,9 @@
 /* Shared definitions of the kvreg OpenCL kernels (reached with -I <cl dir>).
  *
  * Everything is float32 and needs no extension (no fp16, no fp64), so the
- * same sources build on any OpenCL 1.2 device, PoCL's CPU device included. */
+ * same sources build on any OpenCL 1.2 device, PoCL's CPU device included;
+ * the one exception, nystrom.cl, is float64 and built only on a device that
+ * reports fp64. */
 #ifndef KVREG_COMMON_H
 #define KVREG_COMMON_H
 

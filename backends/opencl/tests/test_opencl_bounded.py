@@ -1,0 +1,223 @@
+"""bounded_attend on the device: the f64 oracle, the reference, and the ring mirror."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend
+from kvreg.errors import ConfigError, StateError
+from kvreg.testing.bounded_oracle import bounded_attend_oracle
+
+RTOL = ATOL = 1e-5  # conformance's bounded_attend tolerance
+
+
+@pytest.fixture(scope="module")
+def be(dev):
+    from kvreg_opencl.backend import OpenCLBackend
+
+    return OpenCLBackend()
+
+
+def weights(rng, kvh, hd, sink, gws):
+    sk = rng.standard_normal((kvh, sink, hd)).astype(np.float32)
+    sv = rng.standard_normal((kvh, sink, hd)).astype(np.float32)
+    return BoundedWeights(sk, sv, sink, gws)
+
+
+def attend(fn, st, q, w, rope, scale=0.25):
+    return fn(q, st.ring_k, st.ring_v, st.seen, w.sink_k, w.sink_v, w.group_windows, rope, scale,
+              q.shape[0])
+
+
+def assert_close(got, want, what):
+    err = np.abs(got - want) - (ATOL + RTOL * np.abs(want))
+    assert err.max() <= 0, f"{what}: worst excess {err.max():.3g}"
+
+
+def insert(st, rng):
+    st.insert(rng.standard_normal((st.num_kv_heads, st.head_dim)),
+              rng.standard_normal((st.num_kv_heads, st.head_dim)))
+
+
+@pytest.mark.parametrize("sink, rd", [(0, None), (3, None), (2, 6), (2, 0)])
+def test_every_step_matches_the_oracle_and_the_reference(be, small_blocks, sink, rd):
+    # window 10 wraps twice; group windows narrower than the ring; the small
+    # blocks split a group's rows over several work-groups
+    kvh, hd, hpk, window = 3, 12, 2, 10
+    rng = np.random.default_rng(sink)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, sink, [10, 4, 7])
+    rope = BoundedRope(theta=500.0, rotary_dims=rd)
+    for t in range(25):
+        insert(st, rng)
+        q = (2 * rng.standard_normal((kvh * hpk, hd))).astype(np.float32)
+        got = attend(be.bounded_attend, st, q, w, rope)
+        assert got.dtype == np.float32 and got.shape == q.shape
+        assert_close(got, attend(bounded_attend_oracle, st, q, w, rope), f"oracle step {t}")
+        assert_close(got, attend(bounded_attend, st, q, w, rope), f"reference step {t}")
+
+
+def test_a_long_window_at_large_positions_matches_the_reference(be):
+    # default tunables: one group's 600 rows span two 512-row blocks;
+    # positions near 1e5 exercise the host-computed float64 angles
+    kvh, hd, hpk, window = 2, 64, 4, 600
+    rng = np.random.default_rng(3)
+    st = BoundedState(kvh, hd, window)
+    st.load(rng.standard_normal((kvh, window, hd)), rng.standard_normal((kvh, window, hd)), 99_000)
+    w = weights(rng, kvh, hd, 4, [600, 300])
+    rope = BoundedRope()
+    for _ in range(3):
+        insert(st, rng)
+        q = rng.standard_normal((kvh * hpk, hd)).astype(np.float32)
+        assert_close(attend(be.bounded_attend, st, q, w, rope, 0.125),
+                     attend(bounded_attend, st, q, w, rope, 0.125), "reference")
+
+
+def test_a_1000_step_decode_uploads_1000_slots(be, small_blocks):
+    kvh, hd, window = 2, 16, 64
+    rng = np.random.default_rng(4)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 2, [64, 16])
+    rope = BoundedRope()
+    q = rng.standard_normal((kvh * 2, hd)).astype(np.float32)
+    insert(st, rng)
+    attend(be.bounded_attend, st, q, w, rope)
+    m = be.ring_mirror(st.ring_k)
+    c0 = m.counters()
+    assert c0["full_reuploads"] == 1
+    for _ in range(1000):
+        insert(st, rng)
+        out = attend(be.bounded_attend, st, q, w, rope)
+    c = m.counters()
+    assert c["slot_uploads"] - c0["slot_uploads"] == 1000
+    assert c["full_reuploads"] == 1 and c["sink_uploads"] == 1
+    assert c["bytes_uploaded"] - c0["bytes_uploaded"] == 1000 * kvh * hd * 4 * 2
+    assert_close(out, attend(bounded_attend_oracle, st, q, w, rope), "after 1000 steps")
+
+
+def test_rollback_forces_a_reupload_and_answers_like_the_reference(be, small_blocks):
+    kvh, hd, window = 2, 16, 8
+    rng = np.random.default_rng(5)
+    st = BoundedState(kvh, hd, window, undo_depth=4)
+    w = weights(rng, kvh, hd, 1, [8, 5])
+    rope = BoundedRope()
+    q = rng.standard_normal((kvh * 2, hd)).astype(np.float32)
+    for _ in range(12):
+        insert(st, rng)
+        attend(be.bounded_attend, st, q, w, rope)
+    m = be.ring_mirror(st.ring_k)
+    full = m.full_reuploads
+    assert st.rollback(3) == 3
+    got = attend(be.bounded_attend, st, q, w, rope)
+    assert m.full_reuploads == full + 1
+    assert_close(got, attend(bounded_attend, st, q, w, rope), "after rollback")
+    # rolled back by one and stepped again: seen is back where the mirror
+    # was, not one ahead, so this is a re-upload too
+    st.rollback(1)
+    insert(st, rng)
+    got = attend(be.bounded_attend, st, q, w, rope)
+    assert m.full_reuploads == full + 2
+    assert_close(got, attend(bounded_attend, st, q, w, rope), "rollback then insert")
+
+
+def test_restoring_a_sibling_branch_one_ahead_is_not_mistaken_for_a_step(be, small_blocks):
+    # branch A reaches seen 11 (snapshot), branch B also reaches 11 and is
+    # attended; restoring A then inserting gives seen 12 = the mirror's 11 + 1,
+    # but slot 10 holds A's row, not B's: the last-slot check must catch it.
+    kvh, hd, window = 2, 16, 16
+    rng = np.random.default_rng(6)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 0, [16, 16])
+    rope = BoundedRope()
+    q = rng.standard_normal((kvh * 2, hd)).astype(np.float32)
+    for _ in range(10):
+        insert(st, rng)
+    base = st.snapshot()
+    insert(st, rng)
+    branch_a = st.snapshot()
+    st.restore(base)
+    insert(st, rng)
+    attend(be.bounded_attend, st, q, w, rope)
+    m = be.ring_mirror(st.ring_k)
+    full = m.full_reuploads
+    st.restore(branch_a)
+    insert(st, rng)
+    got = attend(be.bounded_attend, st, q, w, rope)
+    assert m.full_reuploads == full + 1
+    assert_close(got, attend(bounded_attend, st, q, w, rope), "sibling branch")
+
+
+def test_clear_and_load_reupload(be, small_blocks):
+    kvh, hd, window = 1, 8, 4
+    rng = np.random.default_rng(7)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 0, [4])
+    rope = BoundedRope()
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    for _ in range(6):
+        insert(st, rng)
+        attend(be.bounded_attend, st, q, w, rope)
+    m = be.ring_mirror(st.ring_k)
+    full = m.full_reuploads
+    st.clear()
+    insert(st, rng)
+    assert_close(attend(be.bounded_attend, st, q, w, rope), attend(bounded_attend, st, q, w, rope), "clear")
+    st.load(rng.standard_normal((kvh, window, hd)), rng.standard_normal((kvh, window, hd)), 7)
+    assert_close(attend(be.bounded_attend, st, q, w, rope), attend(bounded_attend, st, q, w, rope), "load")
+    assert m.full_reuploads == full + 2
+
+
+def test_an_incremental_mirror_equals_a_fresh_one_bit_for_bit(be, small_blocks):
+    from kvreg_opencl.backend import OpenCLBackend
+
+    kvh, hd, window = 2, 16, 8
+    rng = np.random.default_rng(8)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 2, [8, 3])
+    rope = BoundedRope(rotary_dims=8)
+    q = rng.standard_normal((kvh * 3, hd)).astype(np.float32)
+    for _ in range(19):
+        insert(st, rng)
+        got = attend(be.bounded_attend, st, q, w, rope)
+    fresh = attend(OpenCLBackend().bounded_attend, st, q, w, rope)
+    np.testing.assert_array_equal(got.view(np.uint32), fresh.view(np.uint32))
+
+
+def test_changed_sinks_or_rope_are_uploaded(be, small_blocks):
+    kvh, hd, window = 1, 8, 4
+    rng = np.random.default_rng(9)
+    st = BoundedState(kvh, hd, window)
+    w1, w2 = weights(rng, kvh, hd, 2, [4]), weights(rng, kvh, hd, 2, [4])
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    for _ in range(5):
+        insert(st, rng)
+    for w, rope in ((w1, BoundedRope()), (w2, BoundedRope()), (w2, BoundedRope(theta=50.0))):
+        assert_close(attend(be.bounded_attend, st, q, w, rope), attend(bounded_attend, st, q, w, rope),
+                     f"theta {rope.theta}")
+
+
+def test_two_rings_keep_separate_mirrors(be, small_blocks):
+    kvh, hd, window = 1, 8, 4
+    rng = np.random.default_rng(10)
+    a, b = BoundedState(kvh, hd, window), BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 0, [4])
+    rope = BoundedRope()
+    q = rng.standard_normal((2, hd)).astype(np.float32)
+    for _ in range(6):
+        insert(a, rng)
+        insert(b, rng)
+        for st in (a, b):
+            assert_close(attend(be.bounded_attend, st, q, w, rope), attend(bounded_attend, st, q, w, rope), "ring")
+    assert be.ring_mirror(a.ring_k) is not be.ring_mirror(b.ring_k)
+    assert be.ring_mirror(a.ring_k).full_reuploads == 1
+
+
+def test_arguments_are_checked_like_the_reference(be):
+    kvh, hd = 2, 8
+    st = BoundedState(kvh, hd, 4)
+    empty = np.zeros((kvh, 0, hd), np.float32)
+    q = np.zeros((4, hd), np.float32)
+    with pytest.raises(StateError):
+        be.bounded_attend(q, st.ring_k, st.ring_v, 0, empty, empty, [4, 4], BoundedRope(), 0.5, 4)
+    with pytest.raises(ConfigError):
+        be.bounded_attend(q, st.ring_k, st.ring_v, 1, empty, empty, [5, 4], BoundedRope(), 0.5, 4)
