@@ -6,6 +6,9 @@ Reports: streaming-read bandwidth (numba parallel sum over 512 MB); F32
 decode of a 32 Q / 8 KV head, hd 128 layer at 16k rows in GB/s and as a
 fraction of that bandwidth; the q8/F32 decode time ratio; a b=512 prefill
 chunk after 8k rows (GQA 4) as a fraction of numpy float32 matmul FLOP/s;
+a bounded ring step (8 KV / 32 Q heads, hd 128, window 4096, 4 sinks) and an
+O(1) seal (32k rows, 8 groups, hd 128, m 64, w 1024, sink 4), each against
+the NumPy reference in the same run;
 first-call compile time and a warm-cache second process. Each figure is the
 best of interleaved rounds (the machine is shared: best-of is the figure
 least disturbed by neighbours).
@@ -51,6 +54,27 @@ def compile_times() -> tuple[float, float]:
         return run(), run()
 
 
+def seal_times(rounds: int) -> dict[str, float]:
+    """Best ``o1_seal`` time per backend: 32k rows, 8 KV / 32 Q heads, hd 128,
+    m 64, w 1024, sink 4 (building the layer is not timed)."""
+    from kvreg.testing.fill import filled_layer
+
+    t, nkv, nh, hd = 32768, 8, 32, 128
+    trace = np.random.default_rng(1).standard_normal((t, nh * hd), dtype=np.float32)
+    best: dict[str, float] = {}
+    for _ in range(max(rounds, 1)):
+        for name in ("numba", "reference"):
+            lay = filled_layer(t, nkv, hd, backend=name)
+            lay.o1_begin(64, 1024, 4)
+            lay.o1_set_q_trace(trace)
+            t0 = time.perf_counter()
+            if not lay.o1_seal(nh):
+                raise RuntimeError(f"seal failed on {name}: {lay.take_o1_error()}")
+            best[name] = min(best.get(name, np.inf), time.perf_counter() - t0)
+            del lay
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
@@ -92,6 +116,19 @@ def main() -> None:
     ma = rng.standard_normal((2048, 2048), dtype=np.float32)
     mb = rng.standard_normal((2048, 2048), dtype=np.float32)
 
+    # bounded ring step: groups alternate windows 4096 / 1024, position 100k
+    from kvreg.bounded import BoundedRope
+    from kvreg.reference import ReferenceBackend
+    from kvreg_numba.backend import NumbaBackend
+
+    nb, ref = NumbaBackend(), ReferenceBackend()
+    W, sink = 4096, 4
+    ring_args = (q, rng.standard_normal((nkv, W, hd), dtype=np.float32),
+                 rng.standard_normal((nkv, W, hd), dtype=np.float32), 100_003,
+                 rng.standard_normal((nkv, sink, hd), dtype=np.float32),
+                 rng.standard_normal((nkv, sink, hd), dtype=np.float32),
+                 [W, 1024] * (nkv // 2), BoundedRope(), hd ** -0.5, nh)
+
     cases = {
         "bandwidth": lambda: bandwidth._parallel_sum(big),
         "decode_f32": lambda: K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp),
@@ -99,13 +136,16 @@ def main() -> None:
                                             vcol=col, vcol_set=cs, scale=0.088, imp=imp),
         "matmul": lambda: ma @ mb,
         "chunk": lambda: K.attend_chunk(qp, kp, vp, s0=s0, b=b, hpk=4, scale=0.088, imp=impp),
+        "bounded": lambda: nb.bounded_attend(*ring_args),
+        "bounded_ref": lambda: ref.bounded_attend(*ring_args),
     }
     best = {}
     for f in cases.values():
         f()
     # Short cases repeat within a round: on a shared machine the best of many
     # ~5 ms runs is the one a neighbour did not interrupt.
-    repeat = {"bandwidth": 3, "decode_f32": 5, "decode_q8": 5, "matmul": 2, "chunk": 1}
+    repeat = {"bandwidth": 3, "decode_f32": 5, "decode_q8": 5, "matmul": 2, "chunk": 1,
+              "bounded": 5, "bounded_ref": 1}
     for _ in range(args.rounds):
         for name, f in cases.items():
             for _ in range(repeat[name]):
@@ -127,6 +167,11 @@ def main() -> None:
     print(f"numpy f32 matmul 2048^3      {mm:7.1f} GFLOP/s")
     print(f"prefill b=512 after 8k GQA4  {best['chunk'] * 1e3:7.1f} ms  {ch:6.1f} GFLOP/s  "
           f"= {ch / mm:.2f} of matmul (target >= 0.40)")
+    print(f"bounded step W4096 32/8 hd128 {best['bounded'] * 1e3:7.2f} ms  reference "
+          f"{best['bounded_ref'] * 1e3:.2f} ms = {best['bounded_ref'] / best['bounded']:.1f}x")
+    seal = seal_times(min(args.rounds, 3))
+    print(f"o1 seal 32k rows 8 groups    {seal['numba']:7.2f} s   reference {seal['reference']:.2f} s "
+          f"= {seal['reference'] / seal['numba']:.2f}x (target < 2 s)")
     if not args.skip_compile:
         first, second = compile_times()
         print(f"first call, cold cache       {first:7.2f} s (import + compile every kernel)")

@@ -3,7 +3,10 @@
 Native kernels: ``attend_group``, ``attend_layer`` (one parallel kernel for
 every KV group: the decode fast path), ``attend_chunk`` (BLAS GEMMs with a
 fused Numba masked softmax), ``quantize_rows`` and ``gather_rows`` (exact
-class). The bounded and Nyström kernels are inherited from the reference.
+class), ``bounded_attend`` (one parallel kernel, :mod:`kvreg_numba.ring`) and
+the Nyström ``nystrom_prefill``/``nystrom_absorb``/``nystrom_step`` (serial
+float64 kernels that release the GIL, :mod:`kvreg_numba.nystrom`, so an O(1)
+seal runs its KV groups on threads: ``parallel_seal``).
 
 Importing this module does not import numba (the registry imports it to
 register the class); the kernels load when the backend is instantiated.
@@ -20,7 +23,7 @@ from kvreg.reference import ReferenceBackend
 
 def _load_kernels():
     try:
-        from . import kernels
+        from . import kernels, nystrom, ring  # noqa: F401  (compiled on first use)
     except ImportError as exc:  # numba missing or broken: say how to fix it
         raise BackendError(
             f"the numba backend cannot start: {exc}. Install it with `pip install kvreg-numba` "
@@ -55,6 +58,8 @@ class NumbaBackend(ReferenceBackend):
     name = "numba"
     priority = 10
     auto = True
+    #: The Nyström kernels are serial and nogil: a seal's groups run on threads.
+    parallel_seal = True
 
     def __init__(self, device: str | None = None):
         if device not in (None, "cpu"):
@@ -104,3 +109,29 @@ class NumbaBackend(ReferenceBackend):
         if rows.ndim == 2 and rows.flags.c_contiguous:
             return self._k.gather_rows(rows, idx)
         return rows[idx]  # 1-D scales: a plain copy is all there is to it
+
+    def bounded_attend(self, q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale,
+                       num_heads):
+        from kvreg.bounded import check_bounded_attend_args
+
+        q32, sk, sv, gws, scale = check_bounded_attend_args(
+            q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads
+        )
+        from . import ring
+
+        return ring.bounded_attend(q32, ring_k, ring_v, int(seen), sk, sv, gws, rope, scale)
+
+    def nystrom_prefill(self, q_tilde, k_far, v_far, scale):
+        from . import nystrom
+
+        return nystrom.nystrom_prefill(q_tilde, k_far, v_far, scale)
+
+    def nystrom_absorb(self, far, k_row, v_row, scale):
+        from . import nystrom
+
+        nystrom.nystrom_absorb(far, k_row, v_row, scale)
+
+    def nystrom_step(self, q_group, k_exact, v_exact, far, scale):
+        from . import nystrom
+
+        return nystrom.nystrom_step(q_group, k_exact, v_exact, far, scale)

@@ -33,6 +33,15 @@ CHUNK_Q_TILE = 512
 #: tile shrinks (evenly) so long contexts do not allocate gigabytes.
 CHUNK_TILE_BYTES = 64 << 20
 
+#: Ring rows per task of the bounded (``swa_sink_v1``) attend kernel: the
+#: unit of parallel work and of the block-order softmax merge, as in decode.
+BOUNDED_BLOCK = 256
+
+#: Far rows per step of the Nyström prefill kernel: each step converts this
+#: many K and V rows to float64 (K as rows, V transposed) and runs two small
+#: GEMMs against them; 128 rows keep both panels and the logit block in L2.
+NYSTROM_PREFILL_ROWS = 128
+
 #: LLVM fast-math flags of the attention kernels. ``reassoc`` lets LLVM
 #: vectorize the dot products and sums; ``contract`` allows FMA. No flag that
 #: changes inf/NaN semantics (``nnan``/``ninf``): a -inf score must still give

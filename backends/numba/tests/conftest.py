@@ -18,4 +18,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(config, "DECODE_BLOCK", 4)
     monkeypatch.setattr(config, "CHUNK_Q_TILE", 3)
     monkeypatch.setattr(config, "CHUNK_TILE_BYTES", 1 << 20)
+    monkeypatch.setattr(config, "BOUNDED_BLOCK", 5)
+    monkeypatch.setattr(config, "NYSTROM_PREFILL_ROWS", 7)
     return config
