@@ -141,8 +141,9 @@ def landmarks(q_far: np.ndarray, k_far: np.ndarray, m: int) -> tuple[np.ndarray,
     n = k_far.shape[0]
     b = segment_bounds(n, m)
     counts = np.diff(b).astype(np.float64)
-    k_tilde = np.add.reduceat(k_far.astype(np.float64), b[:-1], axis=0) / counts[:, None]
-    q_tilde = np.add.reduceat(q_far.astype(np.float64), b[:-1], axis=1) / counts[None, :, None]
+    # dtype= accumulates in float64 without a float64 copy of the far rows
+    k_tilde = np.add.reduceat(k_far, b[:-1], axis=0, dtype=np.float64) / counts[:, None]
+    q_tilde = np.add.reduceat(q_far, b[:-1], axis=1, dtype=np.float64) / counts[None, :, None]
     return q_tilde, k_tilde
 
 
