@@ -226,18 +226,19 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         mode, hd, n = st.mode, self.head_dim, k.shape[0]
         rows = {}
         if heads.size:
-            # Head-major [n_alive, n, hd]: each head's rows contiguous.
-            kh = np.ascontiguousarray(k[:, heads].transpose(1, 0, 2))
-            vh = np.ascontiguousarray(v[:, heads].transpose(1, 0, 2))
+            # Head-major [n_alive, n, hd] (a view when every head is alive).
+            every = heads.size == self.num_kv_heads
+            kh = (k if every else k[:, heads]).transpose(1, 0, 2)
+            vh = (v if every else v[:, heads]).transpose(1, 0, 2)
             if mode.quant_k:
                 col = np.repeat(np.where(st.kcol_set[heads, None], st.kcol[heads], np.float32(1)), n, axis=0)
-                kq, ks = self.backend.quantize_rows(kh.reshape(-1, hd), col, KV_K_GROUP)
+                kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, KV_K_GROUP)
                 rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
             else:
                 rows["k"] = kh
             if mode.quant_v:
                 col = np.repeat(np.where(st.vcol_set[heads, None], st.vcol[heads], np.float32(1)), n, axis=0)
-                vq, vs = self.backend.quantize_rows(vh.reshape(-1, hd), col, hd)
+                vq, vs = self.backend.quantize_rows(np.ascontiguousarray(vh).reshape(-1, hd), col, hd)
                 rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
             else:
                 rows["v"] = vh

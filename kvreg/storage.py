@@ -130,20 +130,25 @@ class LayerStorage:
         """Write ``n`` rows to each of ``heads``: ``rows[name]`` is
         ``[len(heads), n, ...]`` for every block of the mode."""
         if heads.size:
-            self.reserve(int(self.lens[heads].max()) + n)
-            if n == 1:   # the decode path: one fancy-index store per block
-                at = self.lens[heads]
+            lens = self.lens
+            at = int(lens[heads[0]])
+            self.reserve(int(lens[heads].max()) + n)
+            if heads.size == self.num_kv_heads and (lens == at).all():
+                # The common case (no dead head, no ragged head): one slice
+                # store per block.
                 for name, r in rows.items():
-                    getattr(self, name)[heads, at] = r[:, 0]
+                    getattr(self, name)[:, at:at + n] = r
             else:
                 for i, h in enumerate(heads):
-                    a = int(self.lens[h])
+                    a = int(lens[h])
                     for name, r in rows.items():
                         getattr(self, name)[h, a:a + n] = r[i]
-            self.lens[heads] += n
-        self.reserve(self.seq_len + n)
-        self._imp[self.seq_len:self.seq_len + n] = 0.0
-        self.seq_len += n
+            lens[heads] += n
+        end = self.seq_len + n
+        if end > self._imp.shape[0]:
+            self.reserve(end)
+        self._imp[self.seq_len:end] = 0.0
+        self.seq_len = end
 
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
