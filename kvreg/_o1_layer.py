@@ -47,9 +47,10 @@ class O1Sealed:
 class O1Mixin:
     """``o1_*`` methods of :class:`~kvreg.layer.LayerKvCache`."""
 
-    def _init_o1(self) -> None:
+    def _init_o1(self, error: str | None = None) -> None:
+        """No overlay (a fresh layer, clear, an import, an abort latching ``error``)."""
         self._o1 = None
-        self._o1_error = None
+        self._o1_error = error
         self._o1_q_stride = 1
         self._o1_params = None
         self._o1_transitioned = False
@@ -76,7 +77,7 @@ class O1Mixin:
             raise ShapeError(f"rect must be an O1Rect, got {rect!r}")
         if self.bounded is not None:
             raise StateError("a bounded-anchor layer cannot take an O(1) overlay")
-        self._o1_scale = float(V.scale(scale)) if scale is not None else 1.0 / float(np.sqrt(self.head_dim))
+        self._o1_scale = float(V.scale(scale) if scale is not None else self.default_scale)
         self._o1 = O1Collecting(int(m), int(w), int(sink), rect, seal_at)
         self._o1_q_stride = 1
         self._o1_params = (int(m), int(w), int(sink), rect)
@@ -88,16 +89,16 @@ class O1Mixin:
         No-op unless collecting."""
         if not isinstance(self._o1, O1Collecting):
             return
-        q = V.float_vector("q_all", np.ravel(np.asarray(q_all)))
+        q = V.flat("q_all", q_all)
         if q.size == 0 or q.size % self.head_dim:
             raise ShapeError(f"q_all has {q.size} values; expected num_heads * {self.head_dim}")
-        self._o1.q_rows.append(q.copy())
+        self._o1.q_rows.append(q.copy() if np.shares_memory(q, q_all) else q)
 
     def o1_set_q_trace(self, q) -> None:
         """The whole query trace at once, ``[rows / stride][num_heads][hd]``."""
         if isinstance(self._o1, O1Collecting):
-            flat = V.float_vector("q", np.ravel(np.asarray(q)))
-            self._o1.q_rows = [flat.copy()]
+            flat = V.flat("q", q)
+            self._o1.q_rows = [flat.copy() if np.shares_memory(flat, q) else flat]
 
     def o1_set_q_stride(self, stride: int) -> None:
         """One row in ``stride`` is in the query trace."""
@@ -117,21 +118,19 @@ class O1Mixin:
         if not isinstance(self._o1, O1Sealed) or self._o1_params is None:
             return False
         V.nonneg_int("rows", rows)
+        stride = max(V.nonneg_int("stride", stride), 1)
         nkv, hd = self.num_kv_heads, self.head_dim
         kk = V.array("k", k, (rows, nkv, hd))
         vv = V.array("v", v, (rows, nkv, hd))
-        qq = V.float_vector("q", np.ravel(np.asarray(q)))
+        qq = V.flat("q", q).copy()
         m, w, sink, rect = self._o1_params
+        self._kv_rows_changed(0)
         self._st.release()
-        self._st.reserve(rows)
-        self._st.k[:, :rows] = kk.transpose(1, 0, 2)
-        self._st.v[:, :rows] = vv.transpose(1, 0, 2)
-        self._st.lens[:] = rows
-        self._st._imp[:rows] = 0
-        self._st.seq_len = rows
+        self._st.append({"k": kk.transpose(1, 0, 2), "v": vv.transpose(1, 0, 2)}, np.arange(nkv), rows)
         self._seq_len = rows
-        self._o1_q_stride = max(int(stride), 1)
-        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq.copy()])
+        self._base = 0
+        self._o1_q_stride = stride
+        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq])
         return True
 
     # ── boundary ──
@@ -178,11 +177,9 @@ class O1Mixin:
         """Clear the exact storage, drop the overlay and latch ``err``."""
         self._kv_rows_changed(0)
         self._st.clear()
-        self._o1 = None
         self._seq_len = 0
         self._base = 0
-        self._o1_transitioned = False
-        self._o1_error = str(err)
+        self._init_o1(error=str(err))
 
     def o1_seal(self, num_heads: int) -> bool:
         """Seal; on a malformed prerequisite abort (latch, clear) and return
@@ -216,8 +213,10 @@ class O1Mixin:
             raise SealError("o1 seal: cannot seal an empty layer")
         if self.mode.quantized:
             raise SealError("o1 seal: requires dense F32 KV storage")
-        if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % nkv:
-            raise SealError(f"o1 seal: invalid GQA geometry num_heads={num_heads} num_kv_heads={nkv}")
+        try:
+            num_heads = V.gqa(num_heads, nkv)
+        except ShapeError:
+            raise SealError(f"o1 seal: invalid GQA geometry num_heads={num_heads} num_kv_heads={nkv}") from None
         stride = self._o1_q_stride
         expected_q = -(-t // stride) * hd * num_heads
         q_len = col.q_len()
@@ -273,11 +272,13 @@ class O1Mixin:
         if not isinstance(self._o1, O1Sealed):
             raise StateError("o1_step on a layer that is not sealed")
         nkv, hd = self.num_kv_heads, self.head_dim
-        if not isinstance(num_heads, int) or num_heads <= 0 or num_heads % nkv:
-            raise ShapeError(f"num_heads={num_heads} must be a positive multiple of num_kv_heads={nkv}")
+        num_heads = V.gqa(num_heads, nkv)
         q = V.array("q_all", q_all, (num_heads, hd))
         k = V.rows("k_new", k_new, nkv, hd)
         v = V.rows("v_new", v_new, nkv, hd)
+        # Every group inserts its row: refuse before the first one does.
+        if not (np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all()):
+            raise ShapeError("o1_step: q_all, k_new and v_new must be finite")
         hpk = num_heads // nkv
         out = np.empty((num_heads, hd), dtype=np.float32)
         for g, state in enumerate(self._o1.groups):

@@ -97,6 +97,19 @@ def float_block(name: str, x, nkv: int, hd: int) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def flat(name: str, x) -> np.ndarray:
+    """Any float array-like -> 1-D float32 (lists as float32 values)."""
+    return _as_f32(name, x).ravel()
+
+
+def gqa(num_heads, nkv: int) -> int:
+    """``num_heads``: a positive multiple of ``nkv`` (the GQA fan-out divides)."""
+    if not isinstance(num_heads, numbers.Integral) or isinstance(num_heads, bool) or num_heads <= 0 \
+            or num_heads % nkv:
+        raise ShapeError(f"num_heads={num_heads!r} must be a positive multiple of num_kv_heads={nkv}")
+    return int(num_heads)
+
+
 def float_vector(name: str, x) -> np.ndarray:
     a = _as_f32(name, x)
     if a.ndim != 1:

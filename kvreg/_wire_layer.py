@@ -85,8 +85,6 @@ class WireMixin:
         self._st = fresh
         self._kv_rows_changed(0)
         self.discard_linear_scratch()
-        self._o1 = None
-        self._o1_error = None
-        self._o1_transitioned = False
+        self._init_o1()
         self._base = rec.base if rec.kind == WireKind.FullTail else 0
         self._seq_len = rec.seq_len

@@ -203,7 +203,7 @@ def _decode(res, backends, sz, bw, prog):
             prog.step(f"decode {be.name} {_rows_label(rows)} rows")
             layer = filled_layer(rows, nkv, hd, backend=be)
             layer.attend_layer(q)
-            t = timeit(lambda: layer.attend_layer(q))
+            t = timeit(lambda layer=layer: layer.attend_layer(q))
             nbytes = layer.memory_bytes()
             f32_seconds[(be.name, rows)] = t
             res["decode"].append(dict(backend=be.name, kv="f32", rows=rows, seconds=t, bytes=nbytes,
@@ -237,7 +237,7 @@ def _decode(res, backends, sz, bw, prog):
             prog.step(f"q8 decode {be.name} {_rows_label(rows)} rows")
             layer = filled_layer(rows, nkv, hd, mode="q8", backend=be)
             layer.attend_layer(q)
-            tq = timeit(lambda: layer.attend_layer(q))
+            tq = timeit(lambda layer=layer: layer.attend_layer(q))
             nbytes = layer.memory_bytes()
             del layer
             tf = f32_seconds.get((be.name, rows))

@@ -23,6 +23,14 @@ from .storage import LayerStorage, next_generation
 from .wire import WireKind
 
 
+def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
+    """The 2f field of each row to quantize (``n`` rows per head, head-major),
+    1 for a head whose field is not frozen; None before any freeze."""
+    if not col_set[heads].any():
+        return None
+    return np.repeat(np.where(col_set[heads, None], col[heads], np.float32(1)), n, axis=0)
+
+
 class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     """KV cache of a single layer, head-major.
 
@@ -106,6 +114,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     def tail_window(self) -> int | None:
         """The window this layer trims to, once ``trim_window`` ran on it."""
         return self._tail
+
+    @property
+    def default_scale(self) -> np.float32:
+        """``1/√hd`` in float32 arithmetic (the seed's ``attend``): the score
+        scale of every call given none."""
+        return np.float32(1.0) / np.sqrt(np.float32(self.head_dim))
 
     @property
     def imp(self) -> np.ndarray:
@@ -231,13 +245,13 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             kh = (k if every else k[:, heads]).transpose(1, 0, 2)
             vh = (v if every else v[:, heads]).transpose(1, 0, 2)
             if mode.quant_k:
-                col = np.repeat(np.where(st.kcol_set[heads, None], st.kcol[heads], np.float32(1)), n, axis=0)
+                col = _field_rows(st.kcol, st.kcol_set, heads, n)
                 kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, KV_K_GROUP)
                 rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
             else:
                 rows["k"] = kh
             if mode.quant_v:
-                col = np.repeat(np.where(st.vcol_set[heads, None], st.vcol[heads], np.float32(1)), n, axis=0)
+                col = _field_rows(st.vcol, st.vcol_set, heads, n)
                 vq, vs = self.backend.quantize_rows(np.ascontiguousarray(vh).reshape(-1, hd), col, hd)
                 rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
             else:
@@ -284,7 +298,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         qv = V.rows("q", q, 1, self.head_dim)
         n = int(self._st.lens[kv_head])
         probs = np.zeros(n, dtype=np.float32)
-        out = self.backend.attend_group(qv, self._st, kv_head, scale=np.float32(1.0 / np.sqrt(np.float32(self.head_dim))),
+        out = self.backend.attend_group(qv, self._st, kv_head, scale=self.default_scale,
                                         first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
         return out[0], probs
 
@@ -330,7 +344,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if window is not None:
             V.positive_int("window", window)
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
-        scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
+        scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if importance else None
         return self.backend.attend_layer(q, self._st, scale=scale, window=window, softcap=V.softcap(softcap),
                                          sinks=sinks, imp=imp)
@@ -357,7 +371,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         lens = self._st.lens
         if not (lens == n).all():
             raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {lens.tolist()}")
-        scale = V.scale(scale if scale is not None else 1.0 / np.sqrt(self.head_dim))
+        scale = self.default_scale if scale is None else V.scale(scale)
         if self.mode is KvMode.F32 or getattr(self.backend, "native_q8_chunk", False):
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
@@ -514,10 +528,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._st.clear()
         self.linear_state = np.zeros(0, dtype=np.float32)
         self.discard_linear_scratch()
-        self._o1 = None
-        self._o1_error = None
-        self._o1_transitioned = False
-        self._o1_params = None
+        self._init_o1()
         if self.bounded is not None:
             self.bounded.clear()
         self._seq_len = 0

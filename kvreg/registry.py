@@ -23,6 +23,8 @@ _backends: dict[str, type[Backend]] | None = None
 _load_errors: dict[str, str] = {}
 _extra_plugins: list[object] = []
 _instances: dict[tuple[str, str | None], Backend] = {}
+# Separate from _lock: _auto holds neither while it lists backends.
+_inst_lock = threading.Lock()
 
 DEFAULT_PLUGINS = ("kvreg._reference_plugin",)
 
@@ -109,11 +111,12 @@ def _auto(device: str | None) -> Backend:
 
 def _instantiate(cls: type[Backend], device: str | None) -> Backend:
     key = (cls.name, device)
-    inst = _instances.get(key)
-    if inst is None:
-        inst = cls(device) if device is not None else cls()
-        _instances[key] = inst
-    return inst
+    with _inst_lock:   # one instance (one device context, one set of mirrors) per key
+        inst = _instances.get(key)
+        if inst is None:
+            inst = cls(device) if device is not None else cls()
+            _instances[key] = inst
+        return inst
 
 
 def get_backend(name: str | None = None, device: str | None = None) -> Backend:

@@ -129,6 +129,8 @@ class LayerStorage:
     def append(self, rows: dict, heads: np.ndarray, n: int) -> None:
         """Write ``n`` rows to each of ``heads``: ``rows[name]`` is
         ``[len(heads), n, ...]`` for every block of the mode."""
+        if n == 0:
+            return
         if heads.size:
             lens = self.lens
             at = int(lens[heads[0]])

@@ -3,7 +3,6 @@ two-process hand-off giving the same tokens as one process."""
 
 import argparse
 
-import numpy as np
 import pytest
 
 from kvreg.demo import DemoConfig, main, run_demo

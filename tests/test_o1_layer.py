@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvreg import KvMode, LayerKvCache, SealError, StateError
+from kvreg import KvMode, LayerKvCache, SealError, ShapeError, StateError
 from kvreg.nystrom import O1Rect
 from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
 
@@ -148,3 +148,52 @@ def test_query_stride_traces_one_row_in_stride():
 def test_o1_step_on_an_unsealed_layer_is_refused():
     with pytest.raises(StateError):
         layer(1, 4).o1_step(np.ones(4), np.ones(4), np.ones(4), 1)
+
+
+def _sealed(nh=4, nkv=2, hd=16, t=64):
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    lay.o1_begin(4, 16, 2)
+    _collect(lay, d, t, nh)
+    assert lay.o1_seal(nh)
+    return lay, d
+
+
+def test_a_refused_o1_step_leaves_every_group_where_it_was():
+    lay, d = _sealed()
+    seen = [g.seen for g in lay._o1.groups]
+    k = d.k[64].copy()
+    k[1, 0] = np.nan                      # group 1's row: group 0 must not have stepped
+    with pytest.raises(ShapeError, match="finite"):
+        lay.o1_step(d.q[64], k, d.v[64], 4)
+    assert [g.seen for g in lay._o1.groups] == seen and lay.seq_len == 64
+
+
+def test_o1_recollect_validates_before_it_releases_the_seal():
+    lay, d = _sealed()
+    with pytest.raises(ShapeError, match="stride"):
+        lay.o1_recollect(d.k[:64], d.v[:64], d.q[:64], None, 64)
+    assert lay.o1_sealed() and lay.head_len(0) == 0
+    assert lay.o1_recollect(d.k[:64], d.v[:64], d.q[:64], 1, 64)
+    assert lay.o1_collecting() and lay.head_len(1) == 64
+    assert np.array_equal(lay.head_keys(1), d.k[:64, 1])
+    assert lay.o1_seal(4)
+
+
+def test_o1_push_q_takes_what_append_takes():
+    lay = layer(1, 4)
+    lay.o1_begin(4, 8, 2)
+    lay.o1_push_q([0.1, 0.2, 0.3, 0.4])
+    assert lay.o1_q_trace().dtype == np.float32 and lay.o1_q_trace().size == 4
+
+
+@pytest.mark.parametrize("hd", [6, 96, 112, 128])
+def test_default_scale_is_one_value_everywhere(hd):
+    c = LayerKvCache(1, hd, "f32", "reference")
+    rng = np.random.default_rng(hd)
+    for _ in range(5):
+        c.append(rng.standard_normal(hd).astype(np.float32), rng.standard_normal(hd).astype(np.float32))
+    q = rng.standard_normal(hd).astype(np.float32)
+    out, _ = c.attend(q, 0)
+    assert np.array_equal(out, c.attend_layer(q[None], importance=False)[0])
+    assert c.default_scale == np.float32(1) / np.sqrt(np.float32(hd))

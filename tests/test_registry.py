@@ -1,6 +1,5 @@
 """Backend discovery, selection by environment, and `kvreg info`."""
 
-import numpy as np
 import pytest
 
 import kvreg

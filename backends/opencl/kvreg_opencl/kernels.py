@@ -51,10 +51,11 @@ _launch_lock = threading.RLock()
 
 
 def scratch(dev: DeviceState) -> _Scratch:
-    s = _scratch.get(dev.device.int_ptr)
-    if s is None:
-        s = _scratch[dev.device.int_ptr] = _Scratch(dev)
-    return s
+    with _launch_lock:   # one scratch set per device, whichever thread asks first
+        s = _scratch.get(dev.device.int_ptr)
+        if s is None:
+            s = _scratch[dev.device.int_ptr] = _Scratch(dev)
+        return s
 
 
 def _local_size(kernel, dev: DeviceState) -> int:
