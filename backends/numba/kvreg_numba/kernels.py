@@ -135,17 +135,6 @@ def _dequant_k_rows(kq, ks, g, p0, nr, buf):
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
-def _dequant_v_rows(vq, vs, g, p0, nr, buf):
-    hd = vq.shape[2]
-    for r in range(nr):
-        src = vq[g, p0 + r]
-        s = vs[g, p0 + r]
-        dst = buf[r]
-        for d in range(hd):
-            dst[d] = np.float32(src[d]) * s
-
-
-@njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _scores(qg, row0, nheads, kb, nr, scale, E, col):
     """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``.
 
@@ -221,6 +210,255 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
         r += 1
 
 
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _scores_h4(qg, row0, nheads, kb, nr, scale, E, col):
+    """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``.
+
+    Four heads by four rows per sweep: each K and q vector is loaded once
+    for sixteen independent FMA chains. A short last chunk of heads repeats
+    its last head (the duplicate dots are written twice, same value), so
+    every head's dot always comes out of the same compiled loop, in the same
+    accumulator layout, whatever the head count of the call (grouped ==
+    per-head bit for bit). Whether a row takes the 4-row or the 1-row form
+    depends only on its place in its block (sub-blocks are multiples of 4
+    rows), and blocks are anchored at `first`, so every invariant call pair
+    computes each score with the same code."""
+    hd = qg.shape[1]
+    last = nheads - 1
+    for h0 in range(0, nheads, 4):
+        ha = h0
+        hb = min(h0 + 1, last)
+        hc = min(h0 + 2, last)
+        hx = min(h0 + 3, last)
+        qa = qg[row0 + ha]
+        qb = qg[row0 + hb]
+        qc = qg[row0 + hc]
+        qx = qg[row0 + hx]
+        r = 0
+        while r + 4 <= nr:
+            k0 = kb[r]
+            k1 = kb[r + 1]
+            k2 = kb[r + 2]
+            k3 = kb[r + 3]
+            a0 = _ZERO
+            a1 = _ZERO
+            a2 = _ZERO
+            a3 = _ZERO
+            b0 = _ZERO
+            b1 = _ZERO
+            b2 = _ZERO
+            b3 = _ZERO
+            c0 = _ZERO
+            c1 = _ZERO
+            c2 = _ZERO
+            c3 = _ZERO
+            x0 = _ZERO
+            x1 = _ZERO
+            x2 = _ZERO
+            x3 = _ZERO
+            for d in range(hd):
+                y0 = k0[d]
+                y1 = k1[d]
+                y2 = k2[d]
+                y3 = k3[d]
+                u = qa[d]
+                a0 += u * y0
+                a1 += u * y1
+                a2 += u * y2
+                a3 += u * y3
+                u = qb[d]
+                b0 += u * y0
+                b1 += u * y1
+                b2 += u * y2
+                b3 += u * y3
+                u = qc[d]
+                c0 += u * y0
+                c1 += u * y1
+                c2 += u * y2
+                c3 += u * y3
+                u = qx[d]
+                x0 += u * y0
+                x1 += u * y1
+                x2 += u * y2
+                x3 += u * y3
+            e = E[hx, col + r:col + r + 4]
+            e[0] = x0 * scale
+            e[1] = x1 * scale
+            e[2] = x2 * scale
+            e[3] = x3 * scale
+            e = E[hc, col + r:col + r + 4]
+            e[0] = c0 * scale
+            e[1] = c1 * scale
+            e[2] = c2 * scale
+            e[3] = c3 * scale
+            e = E[hb, col + r:col + r + 4]
+            e[0] = b0 * scale
+            e[1] = b1 * scale
+            e[2] = b2 * scale
+            e[3] = b3 * scale
+            e = E[ha, col + r:col + r + 4]
+            e[0] = a0 * scale
+            e[1] = a1 * scale
+            e[2] = a2 * scale
+            e[3] = a3 * scale
+            r += 4
+        while r < nr:
+            k0 = kb[r]
+            a0 = _ZERO
+            b0 = _ZERO
+            c0 = _ZERO
+            x0 = _ZERO
+            for d in range(hd):
+                y0 = k0[d]
+                a0 += qa[d] * y0
+                b0 += qb[d] * y0
+                c0 += qc[d] * y0
+                x0 += qx[d] * y0
+            E[hx, col + r] = x0 * scale
+            E[hc, col + r] = c0 * scale
+            E[hb, col + r] = b0 * scale
+            E[ha, col + r] = a0 * scale
+            r += 1
+
+
+#: The value pass is elementwise over channels: it vectorizes without
+#: reassociation, and without it every output element's arithmetic is the
+#: source expression, so the four-head sweep and the one-head sweep give a
+#: head the same bits.
+_FM_ACC = _FM - {"reassoc"}
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM_ACC)
+def _acc1(a, ea, col, vb, nr, vsc, vrow0):
+    """One head's ``a += sum_r w_r * vb[r]`` (see :func:`_accumulate_q8`)."""
+    hd = a.shape[0]
+    r = 0
+    while r + 4 <= nr:
+        v0 = vb[r]
+        v1 = vb[r + 1]
+        v2 = vb[r + 2]
+        v3 = vb[r + 3]
+        wa0 = ea[col + r]
+        wa1 = ea[col + r + 1]
+        wa2 = ea[col + r + 2]
+        wa3 = ea[col + r + 3]
+        if vsc.shape[0] > 0:
+            wa0 *= vsc[vrow0 + r]
+            wa1 *= vsc[vrow0 + r + 1]
+            wa2 *= vsc[vrow0 + r + 2]
+            wa3 *= vsc[vrow0 + r + 3]
+        for d in range(hd):
+            y0 = np.float32(v0[d])
+            y1 = np.float32(v1[d])
+            y2 = np.float32(v2[d])
+            y3 = np.float32(v3[d])
+            a[d] = a[d] + (((wa0 * y0 + wa1 * y1) + wa2 * y2) + wa3 * y3)
+        r += 4
+    while r < nr:
+        v0 = vb[r]
+        wa0 = ea[col + r]
+        if vsc.shape[0] > 0:
+            wa0 *= vsc[vrow0 + r]
+        for d in range(hd):
+            a[d] = a[d] + wa0 * np.float32(v0[d])
+        r += 1
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM_ACC)
+def _accumulate_q8(E, nheads, col, vb, nr, acc_out, vsc, vrow0):
+    """``acc_out[h] += sum_r w[h, r] * vb[r]`` with ``w[h, r] = E[h, col+r]``
+    (times ``vsc[vrow0+r]`` when ``vsc`` is not empty: q8 V rows, int8 ``vb``, converted
+    inline, their per-row scale folded into the weight). Four rows per sweep
+    of the accumulator, four heads per loaded V vector."""
+    hd = vb.shape[1]
+    h0 = 0
+    hasvs = vsc.shape[0] > 0
+    while h0 + 4 <= nheads:
+        aa = acc_out[h0]
+        ab = acc_out[h0 + 1]
+        ac = acc_out[h0 + 2]
+        ax = acc_out[h0 + 3]
+        ea = E[h0]
+        eb = E[h0 + 1]
+        ec = E[h0 + 2]
+        ex = E[h0 + 3]
+        r = 0
+        while r + 4 <= nr:
+            v0 = vb[r]
+            v1 = vb[r + 1]
+            v2 = vb[r + 2]
+            v3 = vb[r + 3]
+            wa0 = ea[col + r]
+            wa1 = ea[col + r + 1]
+            wa2 = ea[col + r + 2]
+            wa3 = ea[col + r + 3]
+            wb0 = eb[col + r]
+            wb1 = eb[col + r + 1]
+            wb2 = eb[col + r + 2]
+            wb3 = eb[col + r + 3]
+            wc0 = ec[col + r]
+            wc1 = ec[col + r + 1]
+            wc2 = ec[col + r + 2]
+            wc3 = ec[col + r + 3]
+            wx0 = ex[col + r]
+            wx1 = ex[col + r + 1]
+            wx2 = ex[col + r + 2]
+            wx3 = ex[col + r + 3]
+            if hasvs:
+                s0 = vsc[vrow0 + r]
+                s1 = vsc[vrow0 + r + 1]
+                s2 = vsc[vrow0 + r + 2]
+                s3 = vsc[vrow0 + r + 3]
+                wa0 *= s0
+                wa1 *= s1
+                wa2 *= s2
+                wa3 *= s3
+                wb0 *= s0
+                wb1 *= s1
+                wb2 *= s2
+                wb3 *= s3
+                wc0 *= s0
+                wc1 *= s1
+                wc2 *= s2
+                wc3 *= s3
+                wx0 *= s0
+                wx1 *= s1
+                wx2 *= s2
+                wx3 *= s3
+            for d in range(hd):
+                y0 = np.float32(v0[d])
+                y1 = np.float32(v1[d])
+                y2 = np.float32(v2[d])
+                y3 = np.float32(v3[d])
+                aa[d] = aa[d] + (((wa0 * y0 + wa1 * y1) + wa2 * y2) + wa3 * y3)
+                ab[d] = ab[d] + (((wb0 * y0 + wb1 * y1) + wb2 * y2) + wb3 * y3)
+                ac[d] = ac[d] + (((wc0 * y0 + wc1 * y1) + wc2 * y2) + wc3 * y3)
+                ax[d] = ax[d] + (((wx0 * y0 + wx1 * y1) + wx2 * y2) + wx3 * y3)
+            r += 4
+        while r < nr:
+            v0 = vb[r]
+            wa0 = ea[col + r]
+            wb0 = eb[col + r]
+            wc0 = ec[col + r]
+            wx0 = ex[col + r]
+            if hasvs:
+                s0 = vsc[vrow0 + r]
+                wa0 *= s0
+                wb0 *= s0
+                wc0 *= s0
+                wx0 *= s0
+            for d in range(hd):
+                y0 = np.float32(v0[d])
+                aa[d] = aa[d] + wa0 * y0
+                ab[d] = ab[d] + wb0 * y0
+                ac[d] = ac[d] + wc0 * y0
+                ax[d] = ax[d] + wx0 * y0
+            r += 1
+        h0 += 4
+    for h in range(h0, nheads):
+        _acc1(acc_out[h], E[h], col, vb, nr, vsc, vrow0)
+
+
 @njit(nogil=True, cache=_CACHE)
 def _add_probs(dst, src, cf):
     """``dst += src * cf``, each product rounded to float32 first. A fused
@@ -241,13 +479,15 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
     heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
     in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8 rows are
-    dequantized ``SUB_ROWS`` at a time into ``kbuf``/``vbuf`` (L1-sized)."""
+    K rows are dequantized ``SUB_ROWS`` at a time into ``kbuf`` (L1-sized) and
+    scored four heads per loaded row; q8 V rows are read as int8 by
+    :func:`_accumulate_q8` (``vbuf`` is unused, empty)."""
     hd = qg.shape[1]
     if kquant:
         for s0 in range(0, nr, SUB_ROWS):
             m = min(SUB_ROWS, nr - s0)
             _dequant_k_rows(kq, ks, g, p0 + s0, m, kbuf)
-            _scores(qg, row0, nheads, kbuf, m, scale, E, s0)
+            _scores_h4(qg, row0, nheads, kbuf, m, scale, E, s0)
     else:
         _scores(qg, row0, nheads, kf[g, p0:p0 + nr], nr, scale, E, 0)
     for h in range(nheads):
@@ -270,10 +510,7 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         for d in range(hd):
             acc_out[h, d] = _ZERO
     if vquant:
-        for s0 in range(0, nr, SUB_ROWS):
-            m = min(SUB_ROWS, nr - s0)
-            _dequant_v_rows(vq, vs, g, p0 + s0, m, vbuf)
-            _accumulate(E, nheads, s0, vbuf, m, acc_out)
+        _accumulate_q8(E, nheads, 0, vq[g, p0:p0 + nr], nr, acc_out, vs[g], p0)
     else:
         _accumulate(E, nheads, 0, vf[g, p0:p0 + nr], nr, acc_out)
 
@@ -338,7 +575,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     o += ntask * hpk
     pacc = scratch[o:o + ntask * hpk * hd].reshape((ntask, hpk, hd))
     bk = SUB_ROWS if kquant else 0
-    bv = SUB_ROWS if vquant else 0
+    bv = 0  # q8 V rows are read as int8 by _accumulate_q8 (no dequant buffer)
 
     for t in prange(ntask):
         i = tgroup[t]
