@@ -85,6 +85,21 @@ def test_storage_after_append_across_the_freeze(backend, ref, check, mode, hd):
     assert_same_storage(check, a, b, "quantize_rows", f"{mode.value}: 73 rows, field frozen and requantized")
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+def test_extend_stores_what_row_by_row_appends_store(backend, ref, check, mode):
+    # A prefill chunk in one call, across the q8 freeze, against the
+    # reference appending the same rows one by one.
+    a, b = _twins(backend, ref, 3, 40, mode)
+    rows_k, rows_v = rng_rows(9, 100, 3 * 40), rng_rows(10, 100, 3 * 40)
+    alive = np.array([True, False, True])
+    a.extend(rows_k[:50], rows_v[:50], alive)
+    a.extend(rows_k[50:], rows_v[50:], alive)
+    for p in range(100):
+        b.append(rows_k[p], rows_v[p], alive)
+    assert_same_storage(check, a, b, "quantize_rows", f"{mode.value}: extend 50 + 50 vs 100 appends")
+
+
 @pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
 def test_storage_after_truncate_then_append(backend, ref, check, mode):
     a, b = _twins(backend, ref, 2, 16, mode)
