@@ -48,21 +48,22 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
 
 
 def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
-    """Per-row softmax in place semantics of the seed: max (with the sink),
-    exp, a SEQUENTIAL sum (plus the sink's share), divide when the sum > 0."""
-    nh = s.shape[0]
-    p = np.empty_like(s)
-    for h in range(nh):
-        row = s[h]
-        m = row.max()
-        if sinks is not None:
-            m = max(m, sinks[h])
-        e = np.exp(row - m)
-        z = np.cumsum(e, dtype=np.float32)[-1]
-        if sinks is not None:
-            z = np.float32(z + np.exp(np.float32(sinks[h] - m)))
-        p[h] = e / z if z > 0 else e
-    return p
+    """Per-row softmax with the seed's semantics: max (with the sink), exp, a
+    SEQUENTIAL sum (plus the sink's share), divide when the sum > 0.
+
+    Rows are independent: every operation is elementwise or along a row
+    (``cumsum`` accumulates each row on its own), so a row's bits do not
+    depend on how many rows are processed together.
+    """
+    m = s.max(axis=1)
+    if sinks is not None:
+        m = np.maximum(m, sinks)
+    e = np.exp(s - m[:, None])
+    z = np.cumsum(e, axis=1, dtype=np.float32)[:, -1]
+    if sinks is not None:
+        z = z + np.exp(sinks - m)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where((z > 0)[:, None], e / z[:, None], e)
 
 
 def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
