@@ -32,6 +32,15 @@ def _collect(lay, d, t, nh):
         lay.append(d.k[p], d.v[p])
 
 
+def _sealed(nh=4, nkv=2, hd=16, t=64):
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    lay.o1_begin(4, 16, 2)
+    _collect(lay, d, t, nh)
+    assert lay.o1_seal(nh)
+    return lay, d
+
+
 def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
     nh, nkv, hd, t = 4, 2, 16, 96
     d = _prompt(t, nh, nkv, hd)
@@ -50,15 +59,10 @@ def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
 
 
 def test_seal_is_idempotent_and_a_plain_layer_is_not_a_participant():
-    nh, nkv, hd, t = 4, 2, 16, 64
-    d = _prompt(t, nh, nkv, hd)
-    lay = layer(nkv, hd)
-    lay.o1_begin(4, 16, 2)
-    _collect(lay, d, t, nh)
-    assert lay.o1_seal(nh)
+    lay, _ = _sealed()
     groups = lay._o1.groups
-    assert lay.o1_seal(nh) and lay._o1.groups is groups
-    assert not layer(nkv, hd).o1_seal(nh)
+    assert lay.o1_seal(4) and lay._o1.groups is groups
+    assert not layer(2, 16).o1_seal(4)
 
 
 def test_seal_defers_below_the_boundary_floor():
@@ -104,18 +108,13 @@ def test_a_malformed_seal_latches_clears_and_refuses_appends(case, match):
 
 
 def test_sealed_layer_bypasses_trim_and_eviction_and_refuses_append():
-    nh, nkv, hd, t = 4, 2, 16, 64
-    d = _prompt(t, nh, nkv, hd)
-    lay = layer(nkv, hd)
-    lay.o1_begin(4, 16, 2)
-    _collect(lay, d, t, nh)
-    assert lay.o1_seal(nh)
+    lay, d = _sealed()
     assert lay.trim_window(4, 0, 1) == 0
     lay.evict(3)
     lay.evict_born(3, 1, 1)
-    assert lay.seq_len == t
+    assert lay.seq_len == 64
     with pytest.raises(StateError, match="o1_step"):
-        lay.append(d.k[t], d.v[t])
+        lay.append(d.k[64], d.v[64])
 
 
 def test_o1_memory_constant_in_context_after_the_seal():
@@ -148,15 +147,6 @@ def test_query_stride_traces_one_row_in_stride():
 def test_o1_step_on_an_unsealed_layer_is_refused():
     with pytest.raises(StateError):
         layer(1, 4).o1_step(np.ones(4), np.ones(4), np.ones(4), 1)
-
-
-def _sealed(nh=4, nkv=2, hd=16, t=64):
-    d = _prompt(t, nh, nkv, hd)
-    lay = layer(nkv, hd)
-    lay.o1_begin(4, 16, 2)
-    _collect(lay, d, t, nh)
-    assert lay.o1_seal(nh)
-    return lay, d
 
 
 def test_a_refused_o1_step_leaves_every_group_where_it_was():
