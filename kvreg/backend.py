@@ -16,7 +16,7 @@ Storage is a :class:`kvreg.storage.LayerStorage` (layout in docs/kernels.md).
 Numerics contract (conformance checks it):
 
 * exact class, bit-for-bit on every backend: ``quantize_rows``,
-  ``gather_rows``;
+  ``freeze_field``, ``gather_rows``;
 * within one backend, bit-for-bit: ``attend_group`` of a group == each head
   alone; ``attend_layer`` == ``attend_group`` per KV group; scoring
   ``[first, n)`` == the ``-inf``-masked full row; a trimmed layer == the
@@ -47,6 +47,11 @@ Kernels:
 ``quantize_rows(x, col, group) -> (q int8 [n, hd], s f32 [n, ceil(hd/group)])``
     ``col`` ``[hd]`` or ``[n, hd]`` or None; exact class (kvreg.quant).
 
+``freeze_field(q, s, group) -> (col [hd], q2, s2)``
+    the 2f freeze over one head's stored rows (``q [n, hd]`` int8, ``s [n,
+    ceil(hd/group)]``): dequantize, RMS per channel summed in row order
+    (floor 1e-6), requantize every row against it; exact class.
+
 ``gather_rows(rows, idx) -> rows[idx]``
     exact class.
 
@@ -66,6 +71,7 @@ KERNELS = (
     "attend_layer",
     "attend_chunk",
     "quantize_rows",
+    "freeze_field",
     "gather_rows",
     "bounded_attend",
     "nystrom_prefill",

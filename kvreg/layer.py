@@ -14,7 +14,7 @@ import numpy as np
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
 from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
-from .quant import dequantize_rows, field_rms
+from .quant import dequantize_rows
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
@@ -276,9 +276,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                     continue
                 q, s = getattr(st, qb), getattr(st, sb)
                 sc = s[h, :n] if s.ndim == 3 else s[h, :n, None]
-                rows = dequantize_rows(q[h, :n], sc, group)
-                col = field_rms(rows)
-                nq, ns = self.backend.quantize_rows(rows, col, group)
+                col, nq, ns = self.backend.freeze_field(q[h, :n], np.ascontiguousarray(sc), group)
                 q[h, :n] = nq
                 if s.ndim == 3:
                     s[h, :n] = ns

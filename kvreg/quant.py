@@ -71,4 +71,15 @@ def field_rms(rows: np.ndarray) -> np.ndarray:
     for p in range(rows.shape[0]):
         r = rows[p]
         acc += r * r
-    return np.maximum(np.sqrt(acc / np.float32(rows.shape[0])), FIELD_FLOOR).astype(np.float32)
+    # fmax: Rust's f32::max ignores a NaN operand.
+    return np.fmax(np.sqrt(acc / np.float32(rows.shape[0])), FIELD_FLOOR).astype(np.float32)
+
+
+def freeze_field(q: np.ndarray, s: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Freeze the 2f field over one head's stored rows ``q [n, hd]``, ``s [n,
+    ceil(hd/group)]``: dequantize, :func:`field_rms`, requantize every row
+    against it. Returns ``(col [hd], q2, s2)``."""
+    rows = dequantize_rows(q, s, group)
+    col = field_rms(rows)
+    q2, s2 = quantize_rows(rows, col, group)
+    return col, q2, s2

@@ -165,6 +165,9 @@ class ReferenceBackend(Backend):
     def quantize_rows(self, x, col, group):
         return quant.quantize_rows(x, col, group)
 
+    def freeze_field(self, q, s, group):
+        return quant.freeze_field(q, s, group)
+
     def gather_rows(self, rows, idx):
         return rows[idx]
 

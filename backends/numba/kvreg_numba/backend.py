@@ -104,6 +104,9 @@ class NumbaBackend(ReferenceBackend):
                 c = c.reshape(1, -1)
         return self._k.quantize_rows(x, c, int(group))
 
+    def freeze_field(self, q, s, group):
+        return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))
+
     def gather_rows(self, rows, idx):
         idx = np.ascontiguousarray(idx, dtype=np.int64)
         if rows.ndim == 2 and rows.flags.c_contiguous:
