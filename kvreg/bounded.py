@@ -23,6 +23,7 @@ within the attention tolerance class.
 from __future__ import annotations
 
 import operator
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,7 +125,7 @@ class BoundedRope:
         from direct evaluation by ~1e-15, far below the float32 rounding.
         """
         inv = self.inv_freq(head_dim)
-        c0, s0 = _offset_table(float(self.theta), inv, n)
+        c0, s0 = offset_table(float(self.theta), inv, n)
         a = start * inv
         ca, sa = np.cos(a), np.sin(a)
         return (ca * c0 - sa * s0).astype(np.float32), (sa * c0 + ca * s0).astype(np.float32)
@@ -156,17 +157,24 @@ class BoundedRope:
 
 
 _OFFSET_TABLES: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
+_OFFSET_LOCK = threading.Lock()
 
 
-def _offset_table(theta: float, inv: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+def offset_table(theta: float, inv: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """float64 cos/sin of ``j * inv`` for ``j < n``, cached per (theta, pairs)
-    and grown by doubling (one table per model geometry, bounded by its window)."""
+    and grown by doubling (one table per model geometry, bounded by its
+    window). A grown table replaces the old one whole, so readers on other
+    threads keep the one they hold; backends share this cache."""
     key = (theta, inv.shape[0])
-    c, s = _OFFSET_TABLES.get(key, (np.empty((0, inv.shape[0])),) * 2)
-    if c.shape[0] < n:
-        ang = np.arange(max(n, 2 * c.shape[0]), dtype=np.float64)[:, None] * inv
-        c, s = np.cos(ang), np.sin(ang)
-        _OFFSET_TABLES[key] = (c, s)
+    c, s = _OFFSET_TABLES.get(key, (None, None))
+    if c is None or c.shape[0] < n:
+        with _OFFSET_LOCK:
+            c, s = _OFFSET_TABLES.get(key, (None, None))
+            if c is None or c.shape[0] < n:
+                size = max(n, 2 * (0 if c is None else c.shape[0]))
+                ang = np.arange(size, dtype=np.float64)[:, None] * inv
+                c, s = np.cos(ang), np.sin(ang)
+                _OFFSET_TABLES[key] = (c, s)
     return c[:n], s[:n]
 
 

@@ -22,6 +22,8 @@ import threading
 import numpy as np
 from numba import njit, prange
 
+from kvreg.bounded import offset_table
+
 from . import config
 from .kernels import SUB_ROWS, _accumulate, _scores, fexp
 
@@ -178,26 +180,7 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
 # host side
 # ---------------------------------------------------------------------------
 
-_TABLES: dict[tuple[float, int], tuple[np.ndarray, np.ndarray]] = {}
-_TABLES_LOCK = threading.Lock()
 _tls = threading.local()
-
-
-def offset_table(theta: float, inv: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """float64 ``cos/sin(j * inv)`` for ``j < n`` (the reference's offset table:
-    same formula, so the same values), cached per (theta, pairs), grown by
-    doubling; a grown table replaces the old one whole (readers keep theirs)."""
-    key = (theta, inv.shape[0])
-    c, s = _TABLES.get(key, (None, None))
-    if c is None or c.shape[0] < n:
-        with _TABLES_LOCK:
-            c, s = _TABLES.get(key, (None, None))
-            if c is None or c.shape[0] < n:
-                size = max(n, 2 * (0 if c is None else c.shape[0]))
-                ang = np.arange(size, dtype=np.float64)[:, None] * inv
-                c, s = np.cos(ang), np.sin(ang)
-                _TABLES[key] = (c, s)
-    return c[:n], s[:n]
 
 
 def _scratch(nfloats: int) -> np.ndarray:
