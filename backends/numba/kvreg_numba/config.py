@@ -14,9 +14,11 @@ import os
 #: Rows per decode block. Each block's K rows are read once for every head
 #: of the group; blocks are the unit of parallel work and of the fixed-order
 #: partial-softmax merge. 16k rows, 32/8 heads, hd 128 measured 0.54 / 0.61 /
-#: 0.65 / 0.68 of the stream bandwidth at 128 / 256 / 512 / 1024 rows (fewer
-#: merges and per-task setups); 512 keeps 32 tasks per group at 16k rows.
-DECODE_BLOCK = 512
+#: 0.65 / 0.68 of the stream bandwidth at 128 / 256 / 512 / 1024 rows, and
+#: 0.69 / 0.73 / 0.76 at 512 / 2048 / 4096 in a later interleaved sweep
+#: (fewer merges and per-task setups). 2048 still gives 16 tasks at 4k rows
+#: over 8 KV groups, enough for a 16-core host.
+DECODE_BLOCK = 2048
 
 #: Decode block tasks handed to a thread at a time (dynamic scheduling;
 #: 0 = numba's static split into one chunk per thread).
