@@ -52,8 +52,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._base = 0
         self._tail: int | None = None
         self._sinks: np.ndarray | None = None
-        self.linear_state = np.zeros(0, dtype=np.float32)
-        self.linear_scratch = np.zeros(0, dtype=np.float32)
+        self._linear_state = np.zeros(0, dtype=np.float32)
+        self._linear_scratch = np.zeros(0, dtype=np.float32)
         self._linear_wire_allowed = True
         self._kv_amax = [0.0, 0.0]
         self._kv_amax_rows = 0
@@ -128,6 +128,25 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         v = v.view()
         v.flags.writeable = False
         return v
+
+    @property
+    def linear_state(self) -> np.ndarray:
+        """Linear-core recurrent state (float32; empty on full layers). It
+        travels on the wire always as f32."""
+        return self._linear_state
+
+    @linear_state.setter
+    def linear_state(self, value) -> None:
+        self._linear_state = V.float_vector("linear_state", value)
+
+    @property
+    def linear_scratch(self) -> np.ndarray:
+        """Tentative recurrent state during speculative verify (float32)."""
+        return self._linear_scratch
+
+    @linear_scratch.setter
+    def linear_scratch(self, value) -> None:
+        self._linear_scratch = V.float_vector("linear_scratch", value)
 
     @property
     def sinks(self) -> np.ndarray | None:

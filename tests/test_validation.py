@@ -118,3 +118,12 @@ def test_attends_from_threads_on_different_caches_agree_with_serial():
 
 def test_state_error_is_a_runtime_error():
     assert issubclass(StateError, RuntimeError) and issubclass(ShapeError, ValueError)
+
+
+def test_linear_state_takes_floats_and_refuses_the_rest():
+    c = LayerKvCache(1, 4, "f32", "reference")
+    c.linear_state = [0.5, -0.25]
+    assert c.linear_state.dtype == np.float32 and c.linear_state.tolist() == [0.5, -0.25]
+    with pytest.raises(ShapeError, match="1-D"):
+        c.linear_scratch = np.ones((2, 2), np.float32)
+    assert c.linear_scratch.size == 0
