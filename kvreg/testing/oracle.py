@@ -29,37 +29,30 @@ __all__ = [
 ]
 
 
+def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int) -> np.ndarray:
+    """Rows ``[0, n)`` of KV head ``g`` as float64 ``[n, hd]``: the f32 block
+    when stored, else ``q * scale(group of d) * field`` in float64 (the oracle
+    dequantizes so that it checks the kernel's math, not the quantization)."""
+    if f32 is not None:
+        return np.array(f32[g, :n], dtype=np.float64)
+    hd = q.shape[2]
+    sc = s[g, :n].astype(np.float64).reshape(n, -1)          # [n, groups]
+    out = q[g, :n].astype(np.float64) * sc[:, np.arange(hd) // group]
+    if col_set[g]:
+        out *= col[g].astype(np.float64)
+    return out
+
+
 def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
     """Keys of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 K."""
     n = int(st.lens[g]) if n is None else n
-    hd = st.head_dim
-    if st.k is not None:
-        return np.array(st.k[g, :n], dtype=np.float64)
-    out = np.zeros((n, hd))
-    for p in range(n):
-        for d in range(hd):
-            x = float(st.kq[g, p, d]) * float(st.ks[g, p, d // KV_K_GROUP])
-            if st.kcol_set[g]:
-                x *= float(st.kcol[g, d])
-            out[p, d] = x
-    return out
+    return _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP)
 
 
 def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     """Values of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 V."""
     n = int(st.lens[g]) if n is None else n
-    hd = st.head_dim
-    if st.v is not None:
-        return np.array(st.v[g, :n], dtype=np.float64)
-    out = np.zeros((n, hd))
-    for p in range(n):
-        s = float(st.vs[g, p])
-        for d in range(hd):
-            x = float(st.vq[g, p, d]) * s
-            if st.vcol_set[g]:
-                x *= float(st.vcol[g, d])
-            out[p, d] = x
-    return out
+    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim)
 
 
 def _softmax_row(scores: list[float], sink: float | None) -> list[float]:

@@ -515,6 +515,23 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         _accumulate(E, nheads, 0, vf[g, p0:p0 + nr], nr, acc_out)
 
 
+@njit(nogil=True, cache=_CACHE)
+def task_grid(spans, block):
+    """The parallel task list of a decode: one task per ``block`` rows of each
+    group's ``spans[g]`` visible rows. Returns ``(tstart [ng + 1], tgroup
+    [ntask])``: group ``g`` owns tasks ``[tstart[g], tstart[g+1])``, task
+    ``t`` belongs to group ``tgroup[t]``."""
+    ng = spans.shape[0]
+    tstart = np.zeros(ng + 1, np.int64)
+    for g in range(ng):
+        tstart[g + 1] = tstart[g] + (spans[g] + block - 1) // block
+    tgroup = np.empty(tstart[ng], np.int64)
+    for g in range(ng):
+        for t in range(tstart[g], tstart[g + 1]):
+            tgroup[t] = g
+    return tstart, tgroup
+
+
 @njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                   vf, vq, vs, vcol, vcol_set, kquant, vquant, scale, softcap,
@@ -551,15 +568,11 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                     qc[row, d] = q[row, d]
 
     # The task list: one task per (group, block), block 0 starting at first.
-    tstart = np.zeros(ngr + 1, np.int64)
+    spans = np.empty(ngr, np.int64)
     for i in range(ngr):
-        span = ns[i] - firsts[i] if ns[i] > 0 else 0
-        tstart[i + 1] = tstart[i] + (span + block - 1) // block
+        spans[i] = ns[i] - firsts[i] if ns[i] > 0 else 0
+    tstart, tgroup = task_grid(spans, block)
     ntask = tstart[ngr]
-    tgroup = np.empty(ntask, np.int64)
-    for i in range(ngr):
-        for t in range(tstart[i], tstart[i + 1]):
-            tgroup[t] = i
 
     # Scores live block-major, [task, head, row]: each block's scores are
     # one small contiguous slab (a row-major [head, span] array would put

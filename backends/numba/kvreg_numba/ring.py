@@ -25,7 +25,7 @@ from numba import njit, prange
 from kvreg.bounded import offset_table
 
 from . import config
-from .kernels import SUB_ROWS, _accumulate, _scores, fexp
+from .kernels import SUB_ROWS, _accumulate, _scores, fexp, task_grid
 
 _FM = set(config.FASTMATH)
 _CACHE = config.CACHE
@@ -84,14 +84,8 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
         for d in range(2 * half, hd):
             qr[row, d] = q[row, d]
 
-    tstart = np.zeros(kvh + 1, np.int64)
-    for g in range(kvh):
-        tstart[g + 1] = tstart[g] + (n_max - firsts[g] + block - 1) // block
+    tstart, tgroup = task_grid(n_max - firsts, block)
     ntask = tstart[kvh]
-    tgroup = np.empty(ntask, np.int64)
-    for g in range(kvh):
-        for t in range(tstart[g], tstart[g + 1]):
-            tgroup[t] = g
 
     o = 0
     E = scratch[o:o + ntask * hpk * block].reshape((ntask, hpk, block))

@@ -17,20 +17,30 @@ def answer(m, st, q):
     return kernels.attend_layer(m, q, lens=st.lens, scale=0.25)[0]
 
 
-def fresh_answer(dev, st, q):
+def synced(dev, st):
+    """A fresh mirror of ``st``, synced once."""
     m = DeviceMirror(dev)
     m.sync(st)
-    return answer(m, st, q)
+    return m
+
+
+def fresh_answer(dev, st, q):
+    return answer(synced(dev, st), st, q)
+
+
+def filled(rng, nrows, nkv, hd, **kw):
+    """A fake storage holding ``nrows`` random rows."""
+    st = FakeStorage(nkv, hd, **kw)
+    for _ in range(nrows):
+        st.append(*rows(rng, nkv, hd))
+    return st
 
 
 def test_decode_steps_upload_only_the_new_rows(dev, small_blocks):
     nkv, hd = 2, 16
     rng = np.random.default_rng(0)
-    st = FakeStorage(nkv, hd)
-    for _ in range(10):
-        st.append(*rows(rng, nkv, hd))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 10, nkv, hd)
+    m = synced(dev, st)
     assert m.full_reuploads == 1
     base = m.bytes_uploaded
     for _ in range(1000):
@@ -48,11 +58,8 @@ def test_decode_steps_upload_only_the_new_rows(dev, small_blocks):
 def test_truncate_then_append_reuploads_the_rewritten_rows(dev, small_blocks):
     nkv, hd = 2, 16
     rng = np.random.default_rng(1)
-    st = FakeStorage(nkv, hd)
-    for _ in range(20):
-        st.append(*rows(rng, nkv, hd))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 20, nkv, hd)
+    m = synced(dev, st)
     before = m.bytes_uploaded
     st.truncate_last(5)
     for _ in range(5):  # back to 20 rows, same generation: (gen, rows) alone would miss it
@@ -67,11 +74,8 @@ def test_truncate_then_append_reuploads_the_rewritten_rows(dev, small_blocks):
 
 def test_truncate_without_append_uploads_nothing(dev, small_blocks):
     rng = np.random.default_rng(2)
-    st = FakeStorage(1, 8)
-    for _ in range(9):
-        st.append(*rows(rng, 1, 8))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 9, 1, 8)
+    m = synced(dev, st)
     before = m.bytes_uploaded
     st.truncate_last(3)
     m.sync(st)
@@ -80,11 +84,8 @@ def test_truncate_without_append_uploads_nothing(dev, small_blocks):
 
 def test_lost_edit_history_forces_full_upload(dev, small_blocks):
     rng = np.random.default_rng(3)
-    st = FakeStorage(1, 8)
-    for _ in range(9):
-        st.append(*rows(rng, 1, 8))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 9, 1, 8)
+    m = synced(dev, st)
     st.truncate_last(1)
     st.truncate_last(1)
     st._hist = st._hist[1:]  # the log no longer reaches the mirror's edit number
@@ -95,11 +96,8 @@ def test_lost_edit_history_forces_full_upload(dev, small_blocks):
 
 def test_new_generation_forces_full_upload(dev, small_blocks):
     rng = np.random.default_rng(4)
-    st = FakeStorage(2, 8)
-    for _ in range(12):
-        st.append(*rows(rng, 2, 8))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 12, 2, 8)
+    m = synced(dev, st)
     st.drop_front(4)
     for _ in range(4):
         st.append(*rows(rng, 2, 8))  # same row count as before the trim
@@ -111,11 +109,8 @@ def test_new_generation_forces_full_upload(dev, small_blocks):
 
 def test_field_freeze_forces_full_upload(dev, small_blocks):
     rng = np.random.default_rng(5)
-    st = FakeStorage(1, 32, kq=True, vq=True)
-    for _ in range(6):
-        st.append(*rows(rng, 1, 32))
-    m = DeviceMirror(dev)
-    m.sync(st)
+    st = filled(rng, 6, 1, 32, kq=True, vq=True)
+    m = synced(dev, st)
     # a freeze requantizes stored rows in place: no new generation, no edit
     st.kcol[0] = 2.0
     st.kcol_set[0] = True
