@@ -111,7 +111,7 @@ _BLOCKS = ("k", "v", "kq", "ks", "vq", "vs")
 
 def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what: str = "") -> None:
     """Two layers hold bit-identical storage: per-head rows of every block,
-    lens, seq_len, base, importance and the frozen q8 fields."""
+    lens, seq_len, base, importance, the frozen q8 fields and exact rows."""
     __tracebackhide__ = True
     a, b = got_layer.storage, want_layer.storage
     check.exact(kernel, a.lens, b.lens, f"{what}: lens")
@@ -134,3 +134,11 @@ def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what
             check.exact(kernel, a.kcol[h], b.kcol[h], f"{what}: kcol of head {h}")
         if a.vcol_set[h]:
             check.exact(kernel, a.vcol[h], b.vcol[h], f"{what}: vcol of head {h}")
+    check.exact(kernel, a.xlen, b.xlen, f"{what}: q8 exact row counts")
+    for name in ("xk", "xv"):
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            raise AssertionError(f"kernel {kernel} ({what}): exact rows {name} present in one layer only")
+        for h in range(a.num_kv_heads if x is not None else 0):
+            n = int(a.xlen[h])
+            check.exact(kernel, x[h, :n], y[h, :n], f"{what}: {name} of head {h}")

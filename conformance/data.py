@@ -24,13 +24,19 @@ def rng_rows(seed: int, n: int, width: int, scale: float = 1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((n, width)) * scale).astype(np.float32)
 
 
+#: q8 layers of the suite keep this many exact rows (more than the default,
+#: so windows can start inside them).
+EXACT_ROWS = 4
+
+
 def filled(backend, nkv: int, hd: int, mode=KvMode.F32, rows: int = 40, seed: int = 0, alive=None,
-           channel_structure: bool = True) -> tuple[LayerKvCache, np.ndarray, np.ndarray]:
+           channel_structure: bool = True, exact_rows: int = EXACT_ROWS) -> tuple[LayerKvCache, np.ndarray, np.ndarray]:
     """A layer on ``backend`` holding ``rows`` appended positions.
 
     Returns ``(layer, k [rows, nkv*hd], v [rows, nkv*hd])``. With
     ``channel_structure`` even channels are 4x larger than odd ones, as in
-    the seed's q8 test (it makes the q8 field matter).
+    the seed's q8 test (it makes the q8 field matter). ``exact_rows``: the
+    layer's ``q8_exact_rows``.
     """
     k = rng_rows(seed, rows, nkv * hd)
     v = rng_rows(seed + 1, rows, nkv * hd)
@@ -38,7 +44,7 @@ def filled(backend, nkv: int, hd: int, mode=KvMode.F32, rows: int = 40, seed: in
         w = np.where(np.arange(nkv * hd) % 2 == 0, 2.0, 0.5).astype(np.float32)
         k *= w
         v *= w
-    lay = LayerKvCache(nkv, hd, mode, backend)
+    lay = LayerKvCache(nkv, hd, mode, backend, q8_exact_rows=exact_rows)
     for p in range(rows):
         lay.append(k[p], v[p], alive)
     return lay, k, v

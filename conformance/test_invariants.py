@@ -12,12 +12,13 @@ import pytest
 
 from kvreg import KvMode, LayerKvCache
 
-from .data import ALL_MODES, filled, queries, rng_rows
+from .data import ALL_MODES, EXACT_ROWS, filled, queries, rng_rows
 
 MODE_IDS = [m.value for m in ALL_MODES]
 OPTS = {
     "plain": {},
     "window": {"first": 25},
+    "window_in_exact": {"first": 2},
     "softcap": {"softcap": 2.0},
     "sinks": {"sinks": True},
     "all": {"first": 7, "softcap": 3.0, "sinks": True},
@@ -105,8 +106,8 @@ def test_windowed_attend_equals_the_window_rows_alone(backend, check, w):
 @pytest.mark.parametrize("mode", [KvMode.Q8K, KvMode.Q8V], ids=["q8k", "q8v"])
 def test_trimmed_attend_equals_untrimmed_in_mixed_modes(backend, check, mode):
     nkv, hd, hpk, w = 2, 16, 2, 24
-    full = LayerKvCache(nkv, hd, mode, backend)
-    t = LayerKvCache(nkv, hd, mode, backend)
+    full = LayerKvCache(nkv, hd, mode, backend, q8_exact_rows=EXACT_ROWS)
+    t = LayerKvCache(nkv, hd, mode, backend, q8_exact_rows=EXACT_ROWS)
     k, v = rng_rows(60, 200, nkv * hd), rng_rows(61, 200, nkv * hd)
     trims = 0
     for p in range(200):
@@ -127,7 +128,7 @@ def test_trimmed_attend_equals_untrimmed_in_mixed_modes(backend, check, mode):
 @pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
 def test_attend_upto_equals_the_sequential_call(backend, check, mode):
     nkv, hd, hpk, rows = 2, 20, 3, 110
-    c = LayerKvCache(nkv, hd, mode, backend)
+    c = LayerKvCache(nkv, hd, mode, backend, q8_exact_rows=EXACT_ROWS)
     k, v = rng_rows(70, rows, nkv * hd), rng_rows(71, rows, nkv * hd)
     sinks = _sinks(hpk, 70)
     q = queries(70, hpk, hd, 2.0)
@@ -139,7 +140,7 @@ def test_attend_upto_equals_the_sequential_call(backend, check, mode):
         c.append(k[p], v[p])
         i = p + 1
         if i >= settled and i % 7 == 0:
-            first = max(0, i - 13)
+            first = max(0, i - 13) if i % 2 else 2   # some windows start inside the exact rows
             imp = np.zeros(i, np.float32)
             seen[i] = (first, c.attend_group(q, 1, scale=0.25, first=first, softcap=2.5, sinks=sinks, imp_acc=imp),
                        imp)
@@ -172,10 +173,12 @@ def test_wire_round_trip_answers_identically(backend, check, trim):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
-def test_attend_after_truncate_then_append_sees_the_new_rows(backend, check, mode):
+@pytest.mark.parametrize("rows", [80, 5], ids=lambda r: f"rows{r}")
+def test_attend_after_truncate_then_append_sees_the_new_rows(backend, check, mode, rows):
     # Same generation, same row count, different rows: a device copy keyed on
-    # (generation, rows) alone answers from the rows truncate dropped.
-    nkv, hd, hpk, rows = 2, 16, 2, 80
+    # (generation, rows) alone answers from the rows truncate dropped. With 5
+    # rows the truncation rewrites q8 exact rows too.
+    nkv, hd, hpk = 2, 16, 2
     c, k, v = filled(backend, nkv, hd, mode, rows, seed=90)
     q = queries(90, nkv * hpk, hd, 2.0)
     for g in range(nkv):
@@ -186,7 +189,7 @@ def test_attend_after_truncate_then_append_sees_the_new_rows(backend, check, mod
     k2, v2 = rng_rows(91, 3, nkv * hd, 3.0), rng_rows(92, 3, nkv * hd, 3.0)
     for p in range(3):
         c.append(k2[p], v2[p])
-    fresh = LayerKvCache(nkv, hd, mode, backend)
+    fresh = LayerKvCache(nkv, hd, mode, backend, q8_exact_rows=EXACT_ROWS)
     for p in range(rows - 3):
         fresh.append(k[p], v[p])
     for p in range(3):

@@ -21,10 +21,11 @@ MODE_IDS = [m.value for m in ALL_MODES]
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("exact_rows", [0, 1, 4], ids=lambda x: f"x{x}")
 @pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
-def test_attend_outputs_and_probabilities_match_the_oracle(backend, check, mode):
+def test_attend_outputs_and_probabilities_match_the_oracle(backend, check, mode, exact_rows):
     nkv, hd, rows = 2, 40, 90
-    c, _, _ = filled(backend, nkv, hd, mode, rows, seed=100)
+    c, _, _ = filled(backend, nkv, hd, mode, rows, seed=100, exact_rows=exact_rows)
     scale = 1.0 / np.sqrt(hd)
     for g in range(nkv):
         q = queries(100 + g, 1, hd, 3.0)
@@ -37,6 +38,8 @@ def test_attend_outputs_and_probabilities_match_the_oracle(backend, check, mode)
 CASES = {
     "plain": dict(first=0, upto=None, softcap=0.0, sinks=False),
     "first": dict(first=31, upto=None, softcap=0.0, sinks=False),
+    "first_in_exact": dict(first=2, upto=None, softcap=0.0, sinks=False),
+    "upto_in_exact": dict(first=1, upto=3, softcap=1.0, sinks=True),
     "upto": dict(first=0, upto=50, softcap=0.0, sinks=False),
     "softcap": dict(first=0, upto=None, softcap=1.5, sinks=False),
     "sinks": dict(first=0, upto=None, softcap=0.0, sinks=True),

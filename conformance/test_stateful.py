@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvreg import KvMode, LayerKvCache
 
 from .checks import assert_same_storage
-from .data import ALL_MODES, rng_rows
+from .data import ALL_MODES, EXACT_ROWS, rng_rows
 
 # Rolling back under a sliding tail's window warns (the seed's log line); here it is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:sliding tail:UserWarning")
@@ -38,8 +38,8 @@ class LayerPair(RuleBasedStateMachine):
                 hpk=st.sampled_from([1, 3]))
     def build(self, mode, nkv, hd, hpk):
         self.mode, self.nkv, self.hd, self.hpk = mode, nkv, hd, hpk
-        self.a = LayerKvCache(nkv, hd, mode, self.backend)
-        self.r = LayerKvCache(nkv, hd, mode, self.ref)
+        self.a = LayerKvCache(nkv, hd, mode, self.backend, q8_exact_rows=EXACT_ROWS)
+        self.r = LayerKvCache(nkv, hd, mode, self.ref, q8_exact_rows=EXACT_ROWS)
 
     def _both(self, op, *args):
         ra = getattr(self.a, op)(*args)

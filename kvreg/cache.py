@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from . import _validate as V
 from .errors import ConfigError, WireError
 from .layer import LayerKvCache
-from .modes import KvMode
+from .modes import Q8_EXACT_ROWS, KvMode
 from .wire import decode_cache, decode_layer, encode_cache
 
 
@@ -34,18 +34,21 @@ class KvCache:
     """The KV cache of a whole model: ``num_layers`` :class:`LayerKvCache`.
 
     ``policy`` defaults to ``EvictionPolicy.Born(sink=4)`` (the seed's
-    default); ``mode`` and ``backend`` are passed to every layer.
+    default); ``mode``, ``backend`` and ``q8_exact_rows`` are passed to every
+    layer.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
-                 policy=None, *, mode: KvMode | str | None = None, backend=None):
+                 policy=None, *, mode: KvMode | str | None = None, backend=None,
+                 q8_exact_rows: int = Q8_EXACT_ROWS):
         V.positive_int("num_layers", num_layers)
         V.positive_int("max_seq_len", max_seq_len)
         self.policy = Born(4) if policy is None else policy
         self._check_policy(self.policy)
         self.max_seq_len = int(max_seq_len)
         mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
-        self.layers = [LayerKvCache(num_kv_heads, head_dim, mode, backend, layer=i) for i in range(num_layers)]
+        self.layers = [LayerKvCache(num_kv_heads, head_dim, mode, backend, layer=i,
+                                   q8_exact_rows=q8_exact_rows) for i in range(num_layers)]
 
     @staticmethod
     def _check_policy(policy) -> None:

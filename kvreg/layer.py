@@ -13,8 +13,7 @@ import numpy as np
 
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
-from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
-from .quant import dequantize_rows
+from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
@@ -31,23 +30,38 @@ def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int)
     return np.repeat(np.where(col_set[heads, None], col[heads], np.float32(1)), n, axis=0)
 
 
+def _field_space(x: np.ndarray, col: np.ndarray, col_set: np.ndarray, heads: np.ndarray) -> np.ndarray:
+    """Head-major rows ``[len(heads), t, hd]`` divided by their head's frozen
+    field (as the quantizer divides them); unchanged for a head without one."""
+    x = np.array(x, dtype=np.float32)
+    for i, h in enumerate(heads):
+        if col_set[h]:
+            x[i] /= col[h]
+    return x
+
+
 class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     """KV cache of a single layer, head-major.
 
     ``num_kv_heads`` heads of ``head_dim`` channels. ``mode`` None reads
     ``KVREG_KV``; ``backend`` None reads ``KVREG_BACKEND``/``KVREG_DEVICE``
     (a name or a :class:`~kvreg.backend.Backend` instance also work).
+    ``q8_exact_rows``: under q8, the first rows of each head (the attention
+    sinks) are also kept in float32 and attended exactly (see
+    :mod:`kvreg.storage`); 0 gives the seed's storage exactly.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode | str | None = None,
-                 backend=None, *, layer: int = 0):
+                 backend=None, *, layer: int = 0, q8_exact_rows: int = Q8_EXACT_ROWS):
         V.positive_int("num_kv_heads", num_kv_heads)
         V.positive_int("head_dim", head_dim)
+        V.nonneg_int("q8_exact_rows", q8_exact_rows)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)
+        self.q8_exact_rows = int(q8_exact_rows)
         mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self.backend = get_backend(backend)
-        self._st = LayerStorage(self.num_kv_heads, self.head_dim, mode)
+        self._st = self._new_storage(mode)
         self._seq_len = 0
         self._base = 0
         self._tail: int | None = None
@@ -82,7 +96,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             return
         if self._st.seq_len or self._st.lens.any():
             raise StateError(f"cannot change the KV mode of a layer holding {self._seq_len} rows; clear() it first")
-        self._st = LayerStorage(self.num_kv_heads, self.head_dim, mode)
+        self._st = self._new_storage(mode)
+
+    def _new_storage(self, mode: KvMode) -> LayerStorage:
+        return LayerStorage(self.num_kv_heads, self.head_dim, mode, self.q8_exact_rows)
 
     @property
     def seq_len(self) -> int:
@@ -258,6 +275,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         st = self._st
         mode, hd, n = st.mode, self.head_dim, k.shape[0]
         rows = {}
+        exact = {}
+        t = st.exact_rows_wanted(heads, n)
         if heads.size:
             # Head-major [n_alive, n, hd] (a view when every head is alive).
             every = heads.size == self.num_kv_heads
@@ -267,29 +286,34 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 col = _field_rows(st.kcol, st.kcol_set, heads, n)
                 kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, KV_K_GROUP)
                 rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
+                if t:
+                    exact["xk"] = _field_space(kh[:, :t], st.kcol, st.kcol_set, heads)
             else:
                 rows["k"] = kh
             if mode.quant_v:
                 col = _field_rows(st.vcol, st.vcol_set, heads, n)
                 vq, vs = self.backend.quantize_rows(np.ascontiguousarray(vh).reshape(-1, hd), col, hd)
                 rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
+                if t:
+                    exact["xv"] = _field_space(vh[:, :t], st.vcol, st.vcol_set, heads)
             else:
                 rows["v"] = vh
-        st.append(rows, heads, n)
+        st.append(rows, heads, n, exact)
         self._seq_len += n
 
     def _freeze_field(self) -> None:
         """Freeze the 2f field: col = RMS per channel over the stored
-        (dequantized) rows; every stored row is requantized against it."""
+        (dequantized) rows; every stored row is requantized against it, and
+        the exact rows move into field space (divided by it)."""
         st = self._st
         hd = self.head_dim
         for h in range(self.num_kv_heads):
             n = int(st.lens[h])
             if n == 0:
                 continue
-            for quantized, qb, sb, colb, setb, group in (
-                (st.mode.quant_k, "kq", "ks", st.kcol, st.kcol_set, KV_K_GROUP),
-                (st.mode.quant_v, "vq", "vs", st.vcol, st.vcol_set, hd),
+            for quantized, qb, sb, colb, setb, group, x in (
+                (st.mode.quant_k, "kq", "ks", st.kcol, st.kcol_set, KV_K_GROUP, st.xk),
+                (st.mode.quant_v, "vq", "vs", st.vcol, st.vcol_set, hd, st.xv),
             ):
                 if not quantized:
                     continue
@@ -303,6 +327,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                     s[h, :n] = ns[:, 0]
                 colb[h] = col
                 setb[h] = True
+                if x is not None:
+                    x[h, : st.xlen[h]] /= col
 
     # ── attention ──
 
@@ -404,18 +430,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         src = self._st
         view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
         view.reserve(n - lo)
-        hd = self.head_dim
         for h in range(self.num_kv_heads):
-            if src.mode.quant_k:
-                rows = dequantize_rows(src.kq[h, lo:n], src.ks[h, lo:n], KV_K_GROUP)
-                view.k[h, : n - lo] = rows * src.kcol[h] if src.kcol_set[h] else rows
-            else:
-                view.k[h, : n - lo] = src.k[h, lo:n]
-            if src.mode.quant_v:
-                rows = dequantize_rows(src.vq[h, lo:n], src.vs[h, lo:n, None], hd)
-                view.v[h, : n - lo] = rows * src.vcol[h] if src.vcol_set[h] else rows
-            else:
-                view.v[h, : n - lo] = src.v[h, lo:n]
+            view.k[h, : n - lo] = src.attended_rows("k", h, lo, n)
+            view.v[h, : n - lo] = src.attended_rows("v", h, lo, n)
         view.lens[:] = n - lo
         return view
 

@@ -12,6 +12,12 @@ KV_COL_WARMUP = 64
 #: Channels per K scale group under q8 (V has one scale per row).
 KV_K_GROUP = 32
 
+#: Leading rows of each head a q8 layer also keeps in float32 and attends
+#: exactly: the attention sink (KVQuant keeps the first token in full
+#: precision; models whose sink spans several tokens want StreamingLLM's 4).
+#: ``q8_exact_rows=0`` on a layer gives the seed's storage bit for bit.
+Q8_EXACT_ROWS = 1
+
 _ENV_VALUES = {
     "f32": "F32",
     "q8": "Q8",

@@ -33,17 +33,21 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
-    # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order.
+    # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order; the
+    # exact rows (field space) are plain dots with q ⊙ col_k.
     hd = st.head_dim
-    kq = st.kq[g, first:n].astype(np.float32)
-    ks = st.ks[g, first:n]
+    x1 = min(max(int(st.xlen[g]), first), n)
+    kq = st.kq[g, x1:n].astype(np.float32)
+    ks = st.ks[g, x1:n]
     qc = q * st.kcol[g] if st.kcol_set[g] else q
     for h in range(nh):
-        acc = np.zeros(span, dtype=np.float32)
+        acc = np.zeros(n - x1, dtype=np.float32)
         for j in range(st.ngk):
             j0, j1 = j * KV_K_GROUP, min((j + 1) * KV_K_GROUP, hd)
             acc += (kq[:, j0:j1] @ qc[h, j0:j1]) * ks[:, j]
-        out[h] = acc
+        out[h, x1 - first:] = acc
+        for r in range(first, x1):
+            out[h, r - first] = st.xk[g, r] @ qc[h]
     return out
 
 
@@ -77,12 +81,18 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
             w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
             out[h] = w @ rows
         return out
-    vq = st.vq[g, first:n].astype(np.float32)
-    vs = st.vs[g, first:n]
+    # q8 V: the int8 rows with their per-row scale folded into the weight,
+    # plus the exact rows (field space); the field multiplies the sum.
+    x1 = min(max(int(st.xlen[g]), first), n)
+    vq = st.vq[g, x1:n].astype(np.float32)
+    vs = st.vs[g, x1:n]
     for h in range(nh):
-        w = p[h] * vs
+        w = p[h, x1 - first:] * vs
         w = np.where(np.abs(w) < _SKIP, np.float32(0), w)
         out[h] = w @ vq
+        if x1 > first:
+            wx = np.where(np.abs(p[h, : x1 - first]) < _SKIP, np.float32(0), p[h, : x1 - first])
+            out[h] = wx @ st.xv[g, first:x1] + out[h]
     if st.vcol_set[g]:
         out *= st.vcol[g]
     return out

@@ -15,6 +15,19 @@ Contract for code that mutates storage (the layer does, kernels never do):
   rows may since have been rewritten.
 * Dead heads (``alive[h] == False`` at append) store nothing: their ``lens``
   stay, and their pages of the blocks are never written, so never faulted in.
+
+Exact rows (q8 only): the first ``exact_cap`` rows of each head are also held
+in float32, ``xk``/``xv [nkv, exact_cap, hd]``, for the quantized side(s).
+They are stored in FIELD SPACE (divided by the head's 2f field, like the
+quantizer's input), so a kernel treats an exact row as an already
+dequantized row: scores use ``q ⊙ kcol``, values are multiplied by ``vcol``
+at the end, as for int8 rows. ``xlen[h]`` is how many leading rows of head
+``h`` are exact: rows ``[0, xlen[h])`` are read from ``xk``/``xv``, the rest
+from the int8 blocks. Their int8 copies stay stored (the seed's layout, the
+freeze and the exact-class kernels are unchanged). This is attention-sink
+aware quantization (KVQuant keeps the first token in full precision): the
+sink takes a large share of most queries' mass, so its quantization error
+dominates the output error of a q8 cache.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from collections import deque
 import numpy as np
 
 from .modes import KV_K_GROUP, KvMode
-from .quant import num_groups
+from .quant import dequantize_rows, num_groups
 
 _GEN = itertools.count(1)
 
@@ -41,7 +54,7 @@ _FLOOR_LOG = 64
 class LayerStorage:
     """Rows of one layer in the layout of docs/kernels.md."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode):
+    def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int = 0):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.mode = mode
@@ -55,6 +68,11 @@ class LayerStorage:
         self.vcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
         self.kcol_set = np.zeros(num_kv_heads, dtype=bool)
         self.vcol_set = np.zeros(num_kv_heads, dtype=bool)
+        self.exact_cap = int(exact_rows) if mode.quantized else 0
+        xshape = (num_kv_heads, self.exact_cap, head_dim)
+        self.xk = np.zeros(xshape, np.float32) if self.exact_cap and mode.quant_k else None
+        self.xv = np.zeros(xshape, np.float32) if self.exact_cap and mode.quant_v else None
+        self.xlen = np.zeros(num_kv_heads, dtype=np.int64)
         self.generation = next_generation()
         self.edits = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
@@ -72,6 +90,34 @@ class LayerStorage:
 
     def head_rows(self, h: int) -> int:
         return int(self.lens[h])
+
+    def exact_rows_wanted(self, heads: np.ndarray, n: int) -> int:
+        """How many of the next ``n`` rows of ``heads`` become exact rows (the
+        most over those heads): a row is exact when it lands at index
+        ``< exact_cap`` right after the head's exact rows."""
+        if not self.exact_cap or not heads.size:
+            return 0
+        at = self.lens[heads]
+        open_ = (self.xlen[heads] == at) & (at < self.exact_cap)
+        return int(min(n, (self.exact_cap - at[open_]).max())) if open_.any() else 0
+
+    def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
+        """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them, float32
+        ``[n-lo, hd]``: f32 storage as stored; q8 ``q·s·col`` with the exact
+        rows ``x·col`` (``side`` is ``"k"`` or ``"v"``)."""
+        quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
+        if not quantized:
+            return getattr(self, side)[h, lo:n]
+        if side == "k":
+            rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
+        else:
+            rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
+        x = getattr(self, "x" + side)
+        xl = int(self.xlen[h])
+        if lo < xl:
+            rows[: xl - lo] = x[h, lo:xl]
+        col, col_set = (self.kcol, self.kcol_set) if side == "k" else (self.vcol, self.vcol_set)
+        return rows * col[h] if col_set[h] else rows
 
     def field_frozen(self) -> bool:
         """Whether the q8 field froze (the seed: any head's column is set)."""
@@ -122,15 +168,28 @@ class LayerStorage:
         total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * 4
         total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * 4
         total += int(self.kcol_set.sum() + self.vcol_set.sum()) * hd * 4
+        sides = (self.xk is not None) + (self.xv is not None)
+        total += int(self.xlen.sum()) * hd * 4 * sides
         return total
 
     # ── mutations (validated by the caller) ──
 
-    def append(self, rows: dict, heads: np.ndarray, n: int) -> None:
+    def append(self, rows: dict, heads: np.ndarray, n: int, exact: dict | None = None) -> None:
         """Write ``n`` rows to each of ``heads``: ``rows[name]`` is
-        ``[len(heads), n, ...]`` for every block of the mode."""
+        ``[len(heads), n, ...]`` for every block of the mode; ``exact``
+        (``"xk"``/``"xv"``, ``[len(heads), t, hd]`` in field space, ``t =``
+        :meth:`exact_rows_wanted`) the exact copies of their first rows."""
         if n == 0:
             return
+        if exact:
+            for i, h in enumerate(heads):
+                at, xl = int(self.lens[h]), int(self.xlen[h])
+                if xl != at or at >= self.exact_cap:
+                    continue
+                t = min(n, self.exact_cap - at, next(iter(exact.values())).shape[1])
+                for name, x in exact.items():
+                    getattr(self, name)[h, at:at + t] = x[i, :t]
+                self.xlen[h] = at + t
         if heads.size:
             lens = self.lens
             at = int(lens[heads[0]])
@@ -155,6 +214,7 @@ class LayerStorage:
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
         self.lens = np.maximum(self.lens - d, 0)
+        np.minimum(self.xlen, self.lens, out=self.xlen)
         self.seq_len = max(self.seq_len - d, 0)
         self.edits += 1
         self._floors.append((self.edits, self.lens.copy()))
@@ -183,6 +243,13 @@ class LayerStorage:
                 n, dh = int(self.lens[h]), min(d, int(self.lens[h]))
                 if dh:
                     blk[h, : n - dh] = blk[h, dh:n]
+        for h in range(self.num_kv_heads):
+            dh, xl = min(d, int(self.lens[h])), int(self.xlen[h])
+            left = max(xl - dh, 0)
+            for x in (self.xk, self.xv):
+                if x is not None and left:
+                    x[h, :left] = x[h, dh:xl].copy()
+            self.xlen[h] = left
         self.lens = np.maximum(self.lens - d, 0)
         di = min(d, self.seq_len)
         self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
@@ -203,6 +270,13 @@ class LayerStorage:
                     continue
                 idx = kept[kept < n]
                 blk[h, : idx.size] = gather_rows(blk[h], idx)
+        for h in range(self.num_kv_heads):
+            # kept is ascending, so the exact rows kept stay a prefix
+            idx = kept[kept < int(self.xlen[h])]
+            for x in (self.xk, self.xv):
+                if x is not None and idx.size:
+                    x[h, : idx.size] = x[h, idx]
+            self.xlen[h] = idx.size
         self.lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
         imp = self._imp[kept].copy()
         self._imp[: kept.size] = imp
@@ -212,6 +286,7 @@ class LayerStorage:
     def clear(self) -> None:
         """Forget every row and the q8 field; capacity is kept for reuse."""
         self.lens[:] = 0
+        self.xlen[:] = 0
         self.seq_len = 0
         self.kcol_set[:] = False
         self.vcol_set[:] = False

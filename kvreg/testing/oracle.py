@@ -29,15 +29,19 @@ __all__ = [
 ]
 
 
-def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int) -> np.ndarray:
+def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int, exact, xlen) -> np.ndarray:
     """Rows ``[0, n)`` of KV head ``g`` as float64 ``[n, hd]``: the f32 block
     when stored, else ``q * scale(group of d) * field`` in float64 (the oracle
-    dequantizes so that it checks the kernel's math, not the quantization)."""
+    dequantizes so that it checks the kernel's math, not the quantization),
+    the exact rows ``x * field``."""
     if f32 is not None:
         return np.array(f32[g, :n], dtype=np.float64)
     hd = q.shape[2]
     sc = s[g, :n].astype(np.float64).reshape(n, -1)          # [n, groups]
     out = q[g, :n].astype(np.float64) * sc[:, np.arange(hd) // group]
+    xl = min(int(xlen[g]), n)
+    if xl:
+        out[:xl] = exact[g, :xl]
     if col_set[g]:
         out *= col[g].astype(np.float64)
     return out
@@ -46,13 +50,13 @@ def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int) -> np.ndarray:
 def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
     """Keys of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 K."""
     n = int(st.lens[g]) if n is None else n
-    return _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP)
+    return _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP, st.xk, st.xlen)
 
 
 def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     """Values of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 V."""
     n = int(st.lens[g]) if n is None else n
-    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim)
+    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen)
 
 
 def _softmax_row(scores: list[float], sink: float | None) -> list[float]:

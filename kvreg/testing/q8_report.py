@@ -4,7 +4,8 @@ On :func:`kvreg.testing.realistic.realistic_qkv` data (RoPE, outlier K
 channels, a sink, log-normal values) every row is appended to one layer per
 configuration: an ``f32`` baseline and each q8 mode (``q8`` = K and V,
 ``q8k``, ``q8v``), with the per-channel 2f field (the real cache) and without
-it (every row quantized against ``col = 1``). Then the last ``queries``
+it (every row quantized against ``col = 1``), and with the leading rows held
+exact (``q8_exact_rows``, the default) or not (0: the seed's storage). Then the last ``queries``
 positions are decoded: Q head ``h`` of position ``i`` attends the rows
 ``[0, i]`` of its group through the public ``attend_group(..., upto=i+1)``
 (bit-identical to the call made when the layer held exactly ``i+1`` rows), its
@@ -30,8 +31,7 @@ import time
 import numpy as np
 
 from kvreg.layer import LayerKvCache
-from kvreg.modes import KV_K_GROUP, KvMode
-from kvreg.quant import dequantize_rows
+from kvreg.modes import Q8_EXACT_ROWS, KvMode
 from kvreg.testing.realistic import error_report, exact_attention_f64, realistic_qkv
 
 __all__ = ["q8_accuracy", "format_q8_table"]
@@ -64,33 +64,27 @@ def _dequantized(layer: LayerKvCache, rows: int) -> tuple[np.ndarray, np.ndarray
     """The K and V rows the layer answers with, ``[rows, nkv, hd]`` float64
     (``q · s · col``; f32 storage as stored)."""
     st = layer.storage
-    nkv, hd = layer.num_kv_heads, layer.head_dim
-    k = np.empty((rows, nkv, hd))
-    v = np.empty((rows, nkv, hd))
-    for g in range(nkv):
-        if st.mode.quant_k:
-            col = st.kcol[g] if st.kcol_set[g] else np.float32(1)
-            k[:, g] = dequantize_rows(st.kq[g, :rows], st.ks[g, :rows], KV_K_GROUP) * col
-        else:
-            k[:, g] = st.k[g, :rows]
-        if st.mode.quant_v:
-            col = st.vcol[g] if st.vcol_set[g] else np.float32(1)
-            v[:, g] = dequantize_rows(st.vq[g, :rows], st.vs[g, :rows, None], hd) * col
-        else:
-            v[:, g] = st.v[g, :rows]
-    return k, v
+    k = np.stack([st.attended_rows("k", g, 0, rows) for g in range(layer.num_kv_heads)], axis=1)
+    v = np.stack([st.attended_rows("v", g, 0, rows) for g in range(layer.num_kv_heads)], axis=1)
+    return k.astype(np.float64), v.astype(np.float64)
 
 
-def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, seed: int = 0,
-                num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, queries: int = 32,
-                backend="reference", baseline: bool = True, **data_options) -> list[dict]:
+def _choices(x, kind):
+    """A single value or an iterable of them, as a tuple."""
+    return (kind(x),) if isinstance(x, (bool, int, np.bool_, np.integer)) else tuple(kind(v) for v in x)
+
+
+def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, exact_rows=Q8_EXACT_ROWS,
+                seed: int = 0, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
+                queries: int = 32, backend="reference", baseline: bool = True, **data_options) -> list[dict]:
     """Measure each q8 mode against the f64 exact attention.
 
     ``field``: True (the real cache), False (no field) or an iterable of both,
-    e.g. ``(True, False)``. ``baseline`` adds the F32 row first;
+    e.g. ``(True, False)``; ``exact_rows``: the layer's ``q8_exact_rows`` (0 is
+    the seed's storage) or an iterable of counts. ``baseline`` adds the F32 row first;
     ``data_options`` go to :func:`realistic_qkv` (``outlier_channels``,
     ``outlier_scale``, ``rope_theta``, ``sink_strength``). Returns one
-    dict per configuration: ``mode``, ``field`` (None for f32),
+    dict per configuration: ``mode``, ``field`` (None for f32), ``exact_rows``,
     ``bytes_per_element``, ``rel_median``, ``rel_p99``, ``rel_max``,
     ``prob_l1_median``, ``prob_l1_p99``, ``n`` (the (position, head) pairs),
     ``key_rel_err`` / ``value_rel_err`` (``‖x̂−x‖/‖x‖`` over every stored
@@ -98,7 +92,8 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, see
     queries and all their rows) and ``sink_logit_err_rms`` (the same on row 0,
     the attention sink).
     """
-    fields = (bool(field),) if isinstance(field, (bool, np.bool_)) else tuple(bool(f) for f in field)
+    fields = _choices(field, bool)
+    exacts = _choices(exact_rows, int)
     queries = min(int(queries), int(rows))
     data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed, **data_options)
     hpk = num_heads // num_kv_heads
@@ -106,12 +101,12 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, see
     qs = data.q[first_pos:]
     ref_out, ref_probs = exact_attention_f64(qs, data.k, data.v, data.scale, return_probs=True)
 
-    configs = [(KvMode.F32, None)] if baseline else []
-    configs += [(KvMode.parse(m), f) for m in modes for f in fields]
+    configs = [(KvMode.F32, None, 0)] if baseline else []
+    configs += [(KvMode.parse(m), f, x) for m in modes for x in exacts for f in fields]
     results = []
-    for mode, f in configs:
+    for mode, f, x in configs:
         cls = _NoFieldLayer if f is False else LayerKvCache
-        layer = cls(num_kv_heads, head_dim, mode, backend)
+        layer = cls(num_kv_heads, head_dim, mode, backend, q8_exact_rows=x)
         for p in range(rows):
             layer.append(data.k[p], data.v[p])
         out, probs = _decode(layer, qs, first_pos, hpk, data.scale)
@@ -122,6 +117,7 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, see
         results.append({
             "mode": mode.value,
             "field": f,
+            "exact_rows": x,
             "bytes_per_element": layer.memory_bytes() / (2 * rows * num_kv_heads * head_dim),
             "rel_median": rep["rel_median"],
             "rel_p99": rep["rel_p99"],
@@ -144,12 +140,13 @@ def _pct(x: float) -> str:
 def format_q8_table(rows: list[dict]) -> str:
     """A markdown table of :func:`q8_accuracy`'s rows."""
     lines = [
-        "| mode | bytes/element | field | output err median | output err p99 | prob L1 median |",
-        "|---|---:|:---:|---:|---:|---:|",
+        "| mode | bytes/element | field | exact rows | output err median | output err p99 | prob L1 median |",
+        "|---|---:|:---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fld = "—" if r["field"] is None else ("on" if r["field"] else "off")
-        lines.append(f"| {r['mode']} | {r['bytes_per_element']:.3f} | {fld} | {_pct(r['rel_median'])} | "
+        xr = "—" if r["field"] is None else r["exact_rows"]
+        lines.append(f"| {r['mode']} | {r['bytes_per_element']:.3f} | {fld} | {xr} | {_pct(r['rel_median'])} | "
                      f"{_pct(r['rel_p99'])} | {r['prob_l1_median']:.2e} |")
     return "\n".join(lines)
 
@@ -166,7 +163,7 @@ def main(argv=None) -> None:
     ap.add_argument("--outlier-scale", type=float, default=10.0, help="realistic_qkv's outlier_scale")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    res = q8_accuracy(rows=a.rows, field=(True, False), seed=a.seed, num_heads=a.heads, num_kv_heads=a.kv_heads,
+    res = q8_accuracy(rows=a.rows, field=(True, False), exact_rows=(Q8_EXACT_ROWS, 0), seed=a.seed, num_heads=a.heads, num_kv_heads=a.kv_heads,
                       head_dim=a.head_dim, queries=a.queries, backend=a.backend,
                       outlier_scale=a.outlier_scale)
     print(f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed} "

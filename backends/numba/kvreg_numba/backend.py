@@ -49,6 +49,9 @@ def _storage_args(st) -> dict:
         vs=st.vs if quant_v else None,
         vcol=st.vcol if quant_v else None,
         vcol_set=st.vcol_set if quant_v else None,
+        xk=st.xk if quant_k else None,
+        xv=st.xv if quant_v else None,
+        xlen=st.xlen if st.exact_cap else None,
     )
 
 

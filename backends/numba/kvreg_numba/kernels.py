@@ -475,18 +475,23 @@ def _add_probs(dst, src, cf):
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
-                   p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out):
+                   p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out, xk, xv, xl):
     """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
     heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
-    in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8 rows are
+    in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8
     K rows are dequantized ``SUB_ROWS`` at a time into ``kbuf`` (L1-sized) and
     scored four heads per loaded row; q8 V rows are read as int8 by
-    :func:`_accumulate_q8` (``vbuf`` is unused, empty)."""
+    :func:`_accumulate_q8` (``vbuf`` is unused, empty). Rows ``< xl`` are the
+    head's exact rows: their float32 copies ``xk``/``xv`` (field space) stand
+    in for the int8 ones."""
     hd = qg.shape[1]
     if kquant:
         for s0 in range(0, nr, SUB_ROWS):
             m = min(SUB_ROWS, nr - s0)
             _dequant_k_rows(kq, ks, g, p0 + s0, m, kbuf)
+            for r in range(max(min(m, xl - p0 - s0), 0)):
+                for d in range(hd):
+                    kbuf[r, d] = xk[g, p0 + s0 + r, d]
             _scores_h4(qg, row0, nheads, kbuf, m, scale, E, s0)
     else:
         _scores(qg, row0, nheads, kf[g, p0:p0 + nr], nr, scale, E, 0)
@@ -510,7 +515,10 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         for d in range(hd):
             acc_out[h, d] = _ZERO
     if vquant:
-        _accumulate_q8(E, nheads, 0, vq[g, p0:p0 + nr], nr, acc_out, vs[g], p0)
+        nx = max(min(nr, xl - p0), 0)
+        if nx > 0:
+            _accumulate(E, nheads, 0, xv[g, p0:p0 + nx], nx, acc_out)
+        _accumulate_q8(E, nheads, nx, vq[g, p0 + nx:p0 + nr], nr - nx, acc_out, vs[g], p0 + nx)
     else:
         _accumulate(E, nheads, 0, vf[g, p0:p0 + nr], nr, acc_out)
 
@@ -534,7 +542,7 @@ def task_grid(spans, block):
 
 @njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
-                  vf, vq, vs, vcol, vcol_set, kquant, vquant, scale, softcap,
+                  vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, scale, softcap,
                   sinks, block, imp, out, scratch):
     """Decode attention of the KV groups ``gids`` (the layer entry passes all
     of them, the per-group entry one): the only attention routine, so a
@@ -543,7 +551,8 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     ``q``/``out``: ``[len(gids) * hpk, hd]`` (group i owns rows
     ``[i*hpk, (i+1)*hpk)``); ``firsts``/``ns``: visible rows ``[first, n)``
     per listed group (already clamped, ``n == 0`` gives zeros); ``sinks``:
-    one logit per q row or empty; ``imp``: accumulated in place over
+    one logit per q row or empty; ``xk``/``xv``/``xlen``: the q8 exact rows
+    (``xlen`` empty = none); ``imp``: accumulated in place over
     ``[first, min(len(imp), n))``, groups then heads in order.
     ``scratch``: a float32 buffer the kernel may use (see
     :func:`scratch_floats`; a fresh allocation per call would page-fault
@@ -597,9 +606,10 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         nr = min(block, ns[i] - p0)
         kbuf = np.empty((bk, hd), np.float32)
         vbuf = np.empty((bv, hd), np.float32)
+        xl = xlen[gids[i]] if xlen.shape[0] > 0 else 0
         _block_partial(qc, i * hpk, hpk, kf, kq, ks, vf, vq, vs, kquant, vquant,
                        gids[i], p0, nr, scale, softcap, E[t], kbuf, vbuf,
-                       pm[t], pl[t], pacc[t])
+                       pm[t], pl[t], pacc[t], xk, xv, xl)
 
     # Merge the partial states in block order; coef[t, h] turns a block's
     # exp(s - m_block) into the final probability (used for importance).
@@ -728,13 +738,14 @@ _EMPTY_I3 = np.empty((0, 0, 0), np.int8)
 _EMPTY_F2 = np.empty((0, 0), np.float32)
 _EMPTY_F1 = np.empty(0, np.float32)
 _EMPTY_B1 = np.empty(0, np.bool_)
+_EMPTY_I1 = np.empty(0, np.int64)
 
 
 def _f3(a):
     return _EMPTY_F3 if a is None else np.ascontiguousarray(a, dtype=np.float32)
 
 
-def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set):
+def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen):
     kquant = k is None
     vquant = v is None
     if kquant and kq is None:
@@ -754,6 +765,9 @@ def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set):
         _EMPTY_B1 if vcol_set is None else np.ascontiguousarray(vcol_set, dtype=np.bool_),
         kquant,
         vquant,
+        _f3(xk),
+        _f3(xv),
+        _EMPTY_I1 if xlen is None else np.ascontiguousarray(xlen, dtype=np.int64),
     )
 
 
@@ -804,13 +818,14 @@ def _run(*args):
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
-                 v=None, vq=None, vs=None, vcol=None, vcol_set=None, scale,
-                 window=0, softcap=0.0, sinks=None, imp=None, upto=None,
+                 v=None, vq=None, vs=None, vcol=None, vcol_set=None, xk=None, xv=None,
+                 xlen=None, scale, window=0, softcap=0.0, sinks=None, imp=None, upto=None,
                  block=None, out=None):
     """Decode attention of a whole layer in one kernel call.
 
     ``q [nh, hd]``; K as ``k`` (f32) or ``kq, ks, kcol, kcol_set`` (q8), V as
-    ``v`` or ``vq, vs, vcol, vcol_set``; ``window`` 0 = none, else per group
+    ``v`` or ``vq, vs, vcol, vcol_set``; ``xk, xv, xlen`` the q8 exact rows
+    (see kvreg.storage; None = none); ``window`` 0 = none, else per group
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)
@@ -829,7 +844,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     n = n.astype(np.int64)
     block = int(block or config.DECODE_BLOCK)
     _run(q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set),
+                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
     return out
@@ -837,8 +852,8 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
 
 def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=None,
                  kcol=None, kcol_set=None, v=None, vq=None, vs=None, vcol=None,
-                 vcol_set=None, scale, softcap=0.0, sinks=None, imp=None,
-                 block=None, out=None):
+                 vcol_set=None, xk=None, xv=None, xlen=None, scale, softcap=0.0, sinks=None,
+                 imp=None, block=None, out=None):
     """Decode attention of the heads ``q_group [nheads, hd]`` of KV group
     ``g`` over rows ``[first, min(lens[g], upto))``: the same kernel as
     :func:`attend_layer`, restricted to one group."""
@@ -852,7 +867,7 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     ns = np.array([n], np.int64)
     block = int(block or config.DECODE_BLOCK)
     _run(q_group, nheads, np.array([g], np.int64), firsts, ns,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set),
+                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
     return out
