@@ -107,7 +107,20 @@ class StaleMirror(ReferenceBackend):
         return super().attend_group(q, view, g, **kw)
 
 
-BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror)
+class IgnoresExactRows(ReferenceBackend):
+    """q8 attention that reads every row from the int8 blocks, the exact
+    (float32) copies of the sink rows ignored."""
+
+    name = "broken_exact"
+    auto = False
+
+    def attend_group(self, q, st, g, **kw):
+        view = copy.copy(st)
+        view.xlen = np.zeros_like(st.xlen)
+        return super().attend_group(q, view, g, **kw)
+
+
+BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror, IgnoresExactRows)
 
 
 class _KvregPlugin:

@@ -34,6 +34,7 @@ def run_suite(backend, keyword, extra_env=None):
     ("broken_window", "attend_layer_equals_attend_group", "attend_layer"),
     ("broken_gather", "evict_born_gathers", "gather_rows"),
     ("broken_mirror", "truncate_then_append", "attend_group"),
+    ("broken_exact", "attend_group_matches_the_oracle and plain and q8", "attend_group"),
 ])
 def test_suite_fails_the_broken_backend_naming_the_kernel(backend, keyword, kernel):
     rc, out = run_suite(backend, keyword)
