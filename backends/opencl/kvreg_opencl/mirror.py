@@ -20,6 +20,15 @@ device buffers of its own capacity and remembers what it holds:
 So a decode step uploads only the appended row of each head, which the
 counters (``bytes_uploaded``, ``rows_uploaded``, ``partial_uploads``,
 ``full_reuploads``) let a test prove.
+
+q8 exact rows (``exact_cap``, ``xk``/``xv [nkv, exact_cap, hd]``, ``xlen``):
+a few rows per head, so they are re-uploaded whole (both sides and ``xlen``)
+whenever they may have changed: a full upload, a changed ``xlen`` (an append
+inside the exact range, a truncation, a trim), or a truncation since the last
+sync whose floor reaches below ``xlen`` (truncate + re-append rewrites exact
+rows in place, same generation, same ``xlen``). A decode step past the exact
+range uploads none of them (``exact_uploads``/``exact_bytes_uploaded`` count
+them apart from the row counters).
 """
 
 from __future__ import annotations
@@ -60,6 +69,14 @@ class DeviceMirror:
         self.full_reuploads = 0
         self.partial_uploads = 0
         self.syncs = 0
+        # q8 exact rows: device copies of xk/xv/xlen (None / 0 when off)
+        self.xcap = 0
+        self.xk = None
+        self.xv = None
+        self.xlen_buf = None
+        self.xlen = np.zeros(0, dtype=np.int64)
+        self.exact_uploads = 0
+        self.exact_bytes_uploaded = 0
 
     # -- helpers -----------------------------------------------------------
     @property
@@ -150,6 +167,53 @@ class DeviceMirror:
         self.rows_uploaded += moved
         return moved
 
+    def exact_args(self):
+        """``(xk, xv, xlen, xcap)`` for the attend launch (None when off)."""
+        if not self.xcap:
+            return None
+        return self.xk, self.xv, self.xlen_buf, self.xcap
+
+    @staticmethod
+    def _exact_layout(storage, nkv: int, hd: int):
+        """``(xcap, xk, xv, xlen)`` of the storage's exact rows; xcap 0 when off."""
+        xcap = int(getattr(storage, "exact_cap", 0) or 0)
+        xk, xv = _present(storage, "xk"), _present(storage, "xv")
+        if xcap <= 0 or (xk is None and xv is None):
+            return 0, None, None, None
+        for x in (xk, xv):
+            if x is not None and x.shape != (nkv, xcap, hd):
+                raise ShapeError(f"kvreg-opencl: exact rows are {x.shape}, expected {(nkv, xcap, hd)}")
+        xlen = np.minimum(np.asarray(storage.xlen, dtype=np.int64).reshape(nkv), xcap)
+        return xcap, xk, xv, xlen
+
+    def _upload_exact(self, xcap: int, xk, xv, xlen) -> None:
+        cl = self.dev.cl
+        if not xcap:
+            self.xcap, self.xk, self.xv, self.xlen_buf = 0, None, None, None
+            self.xlen = np.zeros(0, dtype=np.int64)
+            return
+        nbytes = self.nkv * xcap * self.hd * 4
+        realloc = xcap != self.xcap or self.xlen_buf is None or self.xlen.shape[0] != self.nkv
+        for attr, host in (("xk", xk), ("xv", xv)):
+            if host is None:
+                setattr(self, attr, None)
+                continue
+            host = np.ascontiguousarray(host, dtype=np.float32)
+            buf = getattr(self, attr)
+            if realloc or buf is None or buf.size != nbytes:
+                buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY, max(4, nbytes))
+                setattr(self, attr, buf)
+            cl.enqueue_copy(self.dev.queue, buf, host)
+            self.exact_bytes_uploaded += nbytes
+        xl32 = np.ascontiguousarray(xlen, dtype=np.int32)
+        if realloc:
+            self.xlen_buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY, max(4, xl32.nbytes))
+        cl.enqueue_copy(self.dev.queue, self.xlen_buf, xl32)
+        self.exact_bytes_uploaded += xl32.nbytes
+        self.xcap = xcap
+        self.xlen = xlen.copy()
+        self.exact_uploads += 1
+
     # -- the one entry point ----------------------------------------------
     def sync(self, storage) -> None:
         lens = np.asarray(storage.lens, dtype=np.int64)
@@ -167,6 +231,7 @@ class DeviceMirror:
         edits = getattr(storage, "edits", 0)
         self.syncs += 1
 
+        floor = None
         full = (
             gen != self.generation
             or layout != self.row_shapes
@@ -183,6 +248,16 @@ class DeviceMirror:
                 else:
                     valid = np.minimum(valid, np.asarray(floor, dtype=np.int64))
         need = int(lens.max(initial=0))
+        xcap, xk, xv, xlen = self._exact_layout(storage, nkv, hd)
+        # exact rows: re-upload on any change that may have touched them
+        redo_exact = (
+            full
+            or xcap != self.xcap
+            or (xcap and not np.array_equal(xlen, self.xlen))
+            or (xk is None) != (self.xk is None)
+            or (xv is None) != (self.xv is None)
+            or (xcap and edits != self.edits and (floor is None or bool(np.any(floor < xlen))))
+        )
         if full:
             self.row_shapes = layout
             self.nkv, self.hd = nkv, hd
@@ -200,6 +275,8 @@ class DeviceMirror:
                 self._alloc(cap, valid)
             if self._upload_rows(storage, valid, lens):
                 self.partial_uploads += 1
+        if redo_exact:
+            self._upload_exact(xcap, xk, xv, xlen)
         self.generation = gen
         self.edits = edits
         self.field_state = fstate
@@ -212,4 +289,6 @@ class DeviceMirror:
             "full_reuploads": self.full_reuploads,
             "partial_uploads": self.partial_uploads,
             "syncs": self.syncs,
+            "exact_uploads": self.exact_uploads,
+            "exact_bytes_uploaded": self.exact_bytes_uploaded,
         }

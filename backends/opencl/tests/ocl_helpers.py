@@ -38,9 +38,14 @@ def quantize_ref(x, col, group):
 
 
 class FakeStorage:
-    """Head-major layer storage with the attributes the mirror reads."""
+    """Head-major layer storage with the attributes the mirror reads.
 
-    def __init__(self, nkv, hd, *, kq=False, vq=False, cap=4):
+    ``exact``: q8 exact rows (the core's ``exact_cap``): the first ``exact``
+    rows of each head are also kept in float32 field space (``xk``/``xv`` for
+    the quantized sides, ``xlen`` per head) and attended instead of their
+    int8 copies."""
+
+    def __init__(self, nkv, hd, *, kq=False, vq=False, cap=4, exact=0):
         self.nkv, self.hd, self.cap = nkv, hd, cap
         self.k_quant, self.v_quant = kq, vq
         ngk = -(-hd // 32)
@@ -56,6 +61,10 @@ class FakeStorage:
         self.vcol = np.ones((nkv, hd), np.float32) if vq else None
         self.vcol_set = np.zeros(nkv, bool) if vq else None
         self.lens = np.zeros(nkv, np.int64)
+        self.exact_cap = int(exact) if (kq or vq) else 0
+        xz = lambda on: np.zeros((nkv, self.exact_cap, hd), np.float32) if on and self.exact_cap else None
+        self.xk, self.xv = xz(kq), xz(vq)
+        self.xlen = np.zeros(nkv, np.int64)
         self.generation = next(_GEN)
         self.edits = 0
         self._hist = []  # (edit number, lens after that truncation)
@@ -82,6 +91,12 @@ class FakeStorage:
             if alive is not None and not alive[h]:
                 continue
             p = self.lens[h]
+            if self.exact_cap and self.xlen[h] == p < self.exact_cap:
+                for x, row, col, isset in ((self.xk, k[h], self.kcol, self.kcol_set),
+                                           (self.xv, v[h], self.vcol, self.vcol_set)):
+                    if x is not None:
+                        x[h, p] = row / col[h] if isset[h] else row
+                self.xlen[h] = p + 1
             if self.k_quant:
                 col = self.kcol[h] if self.kcol_set[h] else None
                 q, s = quantize_ref(k[h][None], col, 32)
@@ -98,6 +113,7 @@ class FakeStorage:
 
     def truncate_last(self, n):
         self.lens = np.maximum(self.lens - n, 0)
+        np.minimum(self.xlen, self.lens, out=self.xlen)
         self.edits += 1
         self._hist.append((self.edits, self.lens.copy()))
 
@@ -119,6 +135,10 @@ class FakeStorage:
             a = getattr(self, name)
             if a is not None:
                 a[:, : a.shape[1] - n] = a[:, n:].copy()
+        for x in (self.xk, self.xv):
+            if x is not None and n < self.exact_cap:
+                x[:, : self.exact_cap - n] = x[:, n:].copy()
+        self.xlen = np.maximum(self.xlen - n, 0)
         self.lens = np.maximum(self.lens - n, 0)
         self.generation = next(_GEN)
 
@@ -130,13 +150,19 @@ class FakeStorage:
         ng = self.ks.shape[2]
         s = np.repeat(self.ks[h, :n].astype(np.float64), 32, axis=1)[:, : self.hd]
         del ng
-        return self.kq[h, :n].astype(np.float64) * s * self.kcol[h].astype(np.float64)
+        rows = self.kq[h, :n].astype(np.float64) * s
+        if self.xk is not None:
+            rows[: self.xlen[h]] = self.xk[h, : self.xlen[h]]
+        return rows * self.kcol[h].astype(np.float64)
 
     def values(self, h):
         n = self.lens[h]
         if not self.v_quant:
             return self.v[h, :n].astype(np.float64)
-        return self.vq[h, :n].astype(np.float64) * self.vs[h, :n, None].astype(np.float64) * self.vcol[h].astype(np.float64)
+        rows = self.vq[h, :n].astype(np.float64) * self.vs[h, :n, None].astype(np.float64)
+        if self.xv is not None:
+            rows[: self.xlen[h]] = self.xv[h, : self.xlen[h]]
+        return rows * self.vcol[h].astype(np.float64)
 
 
 def oracle_group(st, q, g, *, scale, first=0, softcap=0.0, upto=None, sinks=None):

@@ -11,7 +11,13 @@
  *   dim 2: query token t (1 for decode, b for a prefill chunk)
  * Every Q head's arithmetic reads only its own q row and the shared K/V
  * rows, so the bits of a head do not depend on which heads share its
- * work-group (grouped == per-head, layer == per-group). */
+ * work-group (grouped == per-head, layer == per-group).
+ *
+ * q8 exact rows: rows [0, xlen[g]) of a quantized side are read from the
+ * float32 copies xk/xv (field space, so they stand in for the dequantized
+ * row: scores with q ⊙ kcol, values summed before the final vcol) instead of
+ * their int8 copies.  Whether a row is exact depends on its index only, so
+ * the invariants above still hold. */
 #include "common.h"
 
 /* Q heads per work-group, fixed at build time (config.HEADS_PER_WG):
@@ -29,6 +35,10 @@
     __global const float *v,        /* [nkv, cap, hd]   (f32 V)           */ \
     __global const char *vq,        /* [nkv, cap, hd]   (q8 V)            */ \
     __global const float *vs,       /* [nkv, cap]                         */ \
+    __global const float *xk,       /* [nkv, xcap, hd] exact K rows (q8)  */ \
+    __global const float *xv,       /* [nkv, xcap, hd] exact V rows (q8)  */ \
+    __global const int *xlen,       /* [nkv] exact rows per head          */ \
+    const int xcap,                 /* 0: no exact rows                   */ \
     __global const int *nlim,       /* [T, ng] rows visible to token t    */ \
     __global const int *firsts,     /* [T, ng] first visible row          */ \
     const int g0, const int ng, const int cap, const int hd,                 \
@@ -44,7 +54,7 @@
     __local float *mloc,            /* [hc]                               */ \
     __local float *vloc             /* [R * hc * hd] value-pass lanes     */
 
-#define KV_PASS q, k, kq, ks, kcol, v, vq, vs, nlim, firsts, g0, ng, cap, hd,  \
+#define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, nlim, firsts, g0, ng, cap, hd,  \
     hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
     want_scores, qloc, sloc, mloc, vloc
 
@@ -107,6 +117,10 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
     const int nq = ng * hpk;
     const int qh0 = gl * hpk + hbeg;      /* first Q head of this chunk */
     const int ngk = (hd + KVREG_K_GROUP - 1) / KVREG_K_GROUP;
+    /* rows [0, xr) of this block are exact rows (q8 sides only) */
+    const int xl = (xcap > 0) ? min(xlen[g], xcap) : 0;
+    const int xr = clamp(xl - row0, 0, rows);
+    const size_t xrow0 = (size_t)g * xcap + row0;   /* exact row of r = 0 */
 
     for (int i = l; i < hcnt * hd; i += L) {
         float x = q[((size_t)t * nq + qh0) * hd + i];
@@ -120,7 +134,9 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
     for (int r = l; r < rows; r += L) {
         const size_t p = (size_t)g * cap + row0 + r;
         float sc[KVREG_HC];
-        if (KQ && (hd % KVREG_K_GROUP) == 0) {
+        const int kx = KQ && r < xr;      /* an exact K row: f32 path */
+        __global const float *kr32 = kx ? xk + (xrow0 + r) * hd : k + p * hd;
+        if (KQ && !kx && (hd % KVREG_K_GROUP) == 0) {
             /* each 32-channel group converted once for every head; per head
              * the same operations as score_q8 */
             __global const char *kr = kq + p * hd;
@@ -144,11 +160,11 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
                 }
             }
             for (int h = 0; h < KVREG_HC; ++h) sc[h] = dot[h];
-        } else if (KQ) {
+        } else if (KQ && !kx) {
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
         } else if ((hd & 7) == 0) {
-            __global const float *kr = k + p * hd;
+            __global const float *kr = kr32;
             float8 a[KVREG_HC];
             for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
             for (int d8 = 0; d8 < (hd >> 3); ++d8) {
@@ -159,7 +175,7 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
             for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
         } else {
             for (int h = 0; h < KVREG_HC; ++h)
-                if (h < hcnt) sc[h] = score_f32(qloc + h * hd, k + p * hd, hd);
+                if (h < hcnt) sc[h] = score_f32(qloc + h * hd, kr32, hd);
         }
         for (int h = 0; h < hcnt; ++h) {
             float s = sc[h] * scale;
@@ -209,17 +225,21 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
         for (int h = 0; h < KVREG_HC; ++h) acc[h] = (float8)(0.0f);
         for (int r = lane; r < rows; r += R) {
             const size_t p = (size_t)g * cap + row0 + r;
+            /* an exact V row is a float row with scale 1 */
+            const int vx = VQ && r < xr;
+            const int v8 = VQ && !vx;
+            __global const float *vr32 = vx ? xv + (xrow0 + r) * hd : v + p * hd;
             float8 vv;
             float ws = 1.0f;
             if (vec == 8) {
-                if (VQ) vv = convert_float8(vload8(dv, vq + p * hd));
-                else    vv = vload8(dv, v + p * hd);
+                if (v8) vv = convert_float8(vload8(dv, vq + p * hd));
+                else    vv = vload8(dv, vr32);
             } else {
-                vv = (float8)(VQ ? (float)vq[p * hd + dv] : v[p * hd + dv]);
+                vv = (float8)(v8 ? (float)vq[p * hd + dv] : vr32[dv]);
             }
-            if (VQ) ws = vs[p];
+            if (v8) ws = vs[p];
             for (int h = 0; h < KVREG_HC; ++h)
-                if (h < hcnt) acc[h] += (VQ ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
+                if (h < hcnt) acc[h] += (v8 ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
         }
         for (int h = 0; h < hcnt; ++h) {
             if (R == 1) {
