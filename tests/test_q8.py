@@ -557,3 +557,30 @@ def test_field_lowers_key_and_logit_error_on_outlier_channels(accuracy):
         on, off = accuracy[("q8", True, xr)], accuracy[("q8", False, xr)]
         assert on["key_rel_err"] < 0.75 * off["key_rel_err"], (xr, on["key_rel_err"], off["key_rel_err"])
         assert on["logit_err_rms"] < off["logit_err_rms"], (xr, on["logit_err_rms"], off["logit_err_rms"])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4", None])
+def test_q8_exact_rows_must_be_a_nonnegative_int(bad):
+    from kvreg import KvCache, KvregError
+    with pytest.raises(KvregError, match="q8_exact_rows"):
+        LayerKvCache(2, 8, KvMode.Q8, "reference", q8_exact_rows=bad)
+    with pytest.raises(KvregError, match="q8_exact_rows"):
+        KvCache(2, 2, 8, 64, mode=KvMode.Q8, backend="reference", q8_exact_rows=bad)
+
+
+def test_exact_rows_hold_the_first_rows_as_appended_in_field_space():
+    nkv, hd = 2, 40
+    c = layer(nkv, hd, KvMode.Q8, 3)
+    x, y = rand_rows(70, nkv, hd, seed=30), rand_rows(70, nkv, hd, seed=31)
+    c.extend(x[:10], y[:10])
+    st = c.storage
+    assert st.xlen.tolist() == [3, 3]
+    assert np.array_equal(st.xk[:, :3], x[:3].transpose(1, 0, 2)), "before the freeze: the rows as appended"
+    c.extend(x[10:], y[10:])
+    assert st.field_frozen()
+    for h in range(nkv):
+        assert np.array_equal(st.xk[h, :3], x[:3, h] / st.kcol[h]), "after it: divided by the field"
+        assert np.array_equal(st.xv[h, :3], y[:3, h] / st.vcol[h])
+        # what attention reads: the exact rows back at their scale, the rest int8
+        np.testing.assert_allclose(st.attended_rows("k", h, 0, 3), x[:3, h], rtol=1e-6)
+        assert np.abs(st.attended_rows("k", h, 3, 70) - x[3:, h]).max() > 1e-4
