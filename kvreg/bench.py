@@ -9,7 +9,8 @@ append over a memcpy of the row), because absolute times on a shared, noisy
 machine say little.
 
 ``what``: ``all`` (decode, q8, prefill, append, wire), ``decode`` (decode and
-q8 only) or ``o1`` (the accuracy table of :mod:`kvreg.o1_report`).
+q8 only) or ``o1`` (the accuracy table of :mod:`kvreg.o1_report`; with
+``--real`` on the captured real-model Q/K/V instead of the generator).
 :func:`run` returns every figure as a JSON-able dict; :func:`main` is the CLI.
 Tests pass a tiny :class:`Sizes` through ``args.sizes``.
 """
@@ -435,17 +436,32 @@ def plot_decode(res: dict, path: str) -> None:
 def _o1(args) -> int:
     from kvreg.o1_report import format_table, o1_accuracy_table
 
-    rows = o1_accuracy_table(quick=bool(getattr(args, "quick", False)))
+    real = bool(getattr(args, "real", False))
+    rows = o1_accuracy_table(quick=bool(getattr(args, "quick", False)),
+                             data="real" if real else "realistic")
+    if real:
+        from kvreg.testing.real_attention import real_meta
+
+        meta = real_meta()
+        print(f"real attention data: {meta['num_layers']}-layer byte-level decoder, layers "
+              f"{meta['layers']}, {meta['num_heads']} q / {meta['num_kv_heads']} kv heads, "
+              f"hd {meta['head_dim']}, {meta['rows']} rows of held-out text "
+              f"({meta['captured_text']}); held-out {meta['heldout_bits_per_byte']:.2f} bits/byte")
     print(format_table(rows))
     if getattr(args, "json", None):
         with open(args.json, "w") as fh:
-            json.dump({"what": "o1", "rows": rows}, fh, indent=1)
+            json.dump({"what": "o1", "data": "real" if real else "realistic", "rows": rows},
+                      fh, indent=1)
     return 0
 
 
 def main(args) -> int:
-    """``kvreg bench [all|decode|o1] [--backend NAME ...] [--quick] [--json FILE] [--plot FILE.png]``."""
+    """``kvreg bench [all|decode|o1] [--backend NAME ...] [--quick] [--real] [--json FILE]
+    [--plot FILE.png]``; ``--real`` (o1 only): the captured real-model data."""
     what = getattr(args, "what", "all") or "all"
+    if getattr(args, "real", False) and what != "o1":
+        print("kvreg bench: --real applies to `kvreg bench o1` only", file=sys.stderr)
+        return 2
     if what == "o1":
         return _o1(args)
     plot = getattr(args, "plot", None)

@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
     bp.add_argument("--backend", action="append", default=None)
     bp.add_argument("--quick", action="store_true")
+    bp.add_argument("--real", action="store_true",
+                    help="o1 only: the accuracy table on real captured Q/K/V (kvreg.testing.real_attention)")
     bp.add_argument("--json", default=None, metavar="FILE")
     bp.add_argument("--plot", default=None, metavar="FILE.png")
     bp.set_defaults(func=_cmd_bench)
