@@ -63,12 +63,14 @@ def test_exact_only_state_equals_exact_attention():
         assert rel(out, exact_out(q, k, v, scale, p)).max() < 1e-5
 
 
-def test_one_far_row_per_landmark_is_close_to_exact():
-    # far rows == m: K̃ and Q̃ are the rows themselves and the Nyström
-    # reconstruction exp(qK̃ᵀ)·pinv(exp(Q̃K̃ᵀ))·exp(Q̃Kᵀ) is exact in exact arithmetic
+@pytest.mark.parametrize("rcond", [1e-12, 1e-3, 0.5])
+def test_one_far_row_per_landmark_is_exact(rcond):
+    # far rows == m: K̃ are the rows themselves, the pooling prior W₀ is the
+    # exact far field and the fit's residual F̂ − Φ·W₀ is zero, so the
+    # estimate is exact however strong the ridge
     m, w, sink = 8, 16, 4
     t = sink + w + m
-    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink, rcond=1e-12)
+    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink, rcond=rcond)
     assert st.m_eff == m and st.far.rows == m
     out = st.attend_group(q[:, t - 1])
     assert rel(out, exact_out(q, k, v, scale, t - 1)).max() < 1e-5
@@ -88,12 +90,79 @@ def test_negative_far_denominator_drops_the_far_part():
     q = rng.standard_normal((hpk, hd))
     ke, ve = rng.standard_normal((e, hd)), rng.standard_normal((e, hd))
     far = FarField(
-        k_tilde=rng.standard_normal((m, hd)), q_tilde=rng.standard_normal((hpk, m, hd)),
+        k_tilde=rng.standard_normal((m, hd)), probes=rng.standard_normal((hpk, m, hd)),
         m_hat=np.tile(np.eye(m), (hpk, 1, 1)), r=np.zeros((hpk, m)), c=np.zeros((hpk, m)),
         z=-np.ones((hpk, m)), theta=rng.standard_normal((hpk, m, hd)) * 1e3, rows=10,
     )
     assert np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), ny.nystrom_step(q, ke, ve, None, 0.3),
                        rtol=1e-6, atol=1e-7)
+
+
+def pooled_far(rng, hpk=2, m=4, hd=8, p=4):
+    """A hand-built far field with the pooling prior; the correction
+    ``φ·P·E`` is zero (``m_hat = 0``) unless a test sets it."""
+    return FarField(
+        k_tilde=rng.standard_normal((m, hd)), probes=rng.standard_normal((hpk, p, hd)),
+        m_hat=np.zeros((hpk, m, p)), r=np.zeros((hpk, p)), c=np.zeros((hpk, p)),
+        z=np.ones((hpk, p)), theta=rng.standard_normal((hpk, p, hd)), rows=40,
+        count=np.full(m, 10.0), vsum=10.0 * rng.uniform(-1, 1, (m, hd)), vlo=-np.ones(hd),
+        vhi=np.ones(hd), last_logit=np.full((hpk, p), -1.0),
+    )
+
+
+def pooled_read(q, ke, ve, far, scale):
+    """Exact sinks + window plus the pooled estimate φ(q)·W₀, directly."""
+    q = q.astype(np.float64)
+    lg = scale * np.concatenate([q @ ke.T, q @ far.k_tilde.T], axis=1)
+    e = np.exp(lg - lg.max(axis=1, keepdims=True))
+    ee, ea = e[:, :ke.shape[0]], e[:, ke.shape[0]:]
+    return (ee @ ve + ea @ far.vsum) / (ee.sum(1) + ea @ far.count)[:, None]
+
+
+def test_pooled_prior_alone_is_segment_pooling():
+    # m_hat = 0: no correction, the estimate is the pooled one (it passes both checks)
+    rng = np.random.default_rng(4)
+    far = pooled_far(rng)
+    q = rng.standard_normal((2, 8))
+    ke, ve = rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    assert np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), pooled_read(q, ke, ve, far, 0.3),
+                       rtol=1e-6, atol=1e-7)
+
+
+def test_far_denominator_below_the_pooled_one_takes_the_pooled_estimate():
+    # the correction pulls the far denominator below the pooled (Jensen) bound
+    rng = np.random.default_rng(5)
+    far = pooled_far(rng)
+    far.m_hat[:] = -0.2  # φ·P < 0 against positive residuals: a negative correction
+    far.theta[:] = 0.0  # and none to the numerator, so the box check alone would pass
+    q = rng.standard_normal((2, 8))
+    ke, ve = rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    *_, den_f = ny.nystrom_parts(q, ke, ve, far, 0.3)
+    assert np.all(den_f > 0)
+    assert np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), pooled_read(q, ke, ve, far, 0.3),
+                       rtol=1e-6, atol=1e-7)
+
+
+def test_far_average_outside_the_value_box_takes_the_pooled_estimate():
+    rng = np.random.default_rng(6)
+    far = pooled_far(rng)
+    far.theta[:] = 0.0
+    far.theta[:, :, 3] = 1e3  # numerator far beyond vhi·den in channel 3, denominator fine
+    far.m_hat[:] = 0.1
+    q = rng.standard_normal((2, 8))
+    ke, ve = rng.standard_normal((5, 8)), rng.standard_normal((5, 8))
+    want = pooled_read(q, ke, ve, far, 0.3)
+    assert np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), want, rtol=1e-6, atol=1e-7)
+    far.theta[:, :, 3] = 0.5  # inside the box: the fit's estimate stands
+    assert not np.allclose(ny.nystrom_step(q, ke, ve, far, 0.3), want, rtol=1e-3, atol=1e-4)
+
+
+def test_far_field_pooling_fields_are_all_or_none():
+    rng = np.random.default_rng(7)
+    far = pooled_far(rng)
+    with pytest.raises(ShapeError, match="all or none"):
+        FarField(far.k_tilde, far.probes, far.m_hat, far.r, far.c, far.z, far.theta, 40,
+                 count=far.count)
 
 
 def test_far_part_contributes_when_denominator_positive():
@@ -102,7 +171,7 @@ def test_far_part_contributes_when_denominator_positive():
     q = rng.standard_normal((hpk, hd))
     ke, ve = rng.standard_normal((e, hd)), rng.standard_normal((e, hd))
     far = FarField(
-        k_tilde=rng.standard_normal((m, hd)), q_tilde=rng.standard_normal((hpk, m, hd)),
+        k_tilde=rng.standard_normal((m, hd)), probes=rng.standard_normal((hpk, m, hd)),
         m_hat=np.tile(np.eye(m), (hpk, 1, 1)), r=np.zeros((hpk, m)), c=np.zeros((hpk, m)),
         z=np.ones((hpk, m)), theta=np.full((hpk, m, hd), 50.0), rows=10,
     )
@@ -134,6 +203,70 @@ def test_absorb_equals_prefill_over_one_more_row():
     # same stabilizer, so the sums compare directly
     assert np.array_equal(far.c, c2) and far.rows == 30
     assert np.allclose(far.z, z2, rtol=1e-12) and np.allclose(far.theta, th2, rtol=1e-12)
+
+
+def test_absorb_moves_the_row_into_the_last_segment_and_the_value_box():
+    rng = np.random.default_rng(8)
+    far = pooled_far(rng)
+    count, vsum, z = far.count.copy(), far.vsum.copy(), far.z.copy()
+    v_row = np.full(8, 2.5)
+    v_row[0] = -3.0
+    k_row = rng.standard_normal(8)
+    ny.nystrom_absorb(far, k_row, v_row.astype(np.float32), 0.3)
+    assert np.array_equal(far.count, count + np.r_[0.0, 0.0, 0.0, 1.0])
+    assert np.allclose(far.vsum[:-1], vsum[:-1]) and np.allclose(far.vsum[-1], vsum[-1] + v_row)
+    assert far.vhi[1] == 2.5 and far.vlo[0] == -3.0 and far.vlo[1] == -1.0 and far.rows == 41
+    # the residual gains the row's kernel value minus its stand-in's (last_logit)
+    lg = 0.3 * far.probes @ k_row
+    c = np.maximum(0.0, lg)
+    assert np.allclose(far.c, c)
+    assert np.allclose(far.z, z * np.exp(-c) + np.exp(lg - c) - np.exp(-1.0 - c), rtol=1e-12)
+
+
+def test_a_sealed_states_residuals_match_a_recomputation():
+    # E = F̂ − Φ·W₀ after some absorbs, recomputed from the rows far now
+    t0, rows, m, w, sink = 80, 110, 8, 16, 4
+    st, q, k, v, scale = sealed(t0, rows, m=m, w=w, sink=sink)
+    for p in range(t0, rows):
+        st.step_group(q[:, p], k[p], v[p])
+    far = st.far
+    kf, vf = k[sink:rows - w].astype(np.float64), v[sink:rows - w].astype(np.float64)
+    f_z = np.exp(scale * far.probes @ kf.T - far.c[:, :, None])  # [hpk, p, n]
+    stand_in = np.exp(scale * far.probes @ far.k_tilde.T - far.c[:, :, None])
+    b = ny.segment_bounds(t0 - w - sink, m)
+    b[-1] = rows - w - sink  # later rows joined the last segment
+    assert np.array_equal(far.count, np.diff(b))
+    assert np.allclose(far.z, f_z.sum(2) - stand_in @ far.count, rtol=1e-9, atol=1e-12)
+    assert np.allclose(far.theta, f_z @ vf - stand_in @ far.vsum, rtol=1e-9, atol=1e-12)
+
+
+def test_far_fit_solves_the_ridge_normal_equations():
+    rng = np.random.default_rng(9)
+    probes, kt = rng.standard_normal((2, 7, 6)), rng.standard_normal((5, 6))
+    nu = rng.uniform(1.0, 2.0, (2, 7))
+    p_mat = ny.far_fit(probes, kt, nu, 0.4, 1e-2)
+    for h in range(2):
+        phi = np.exp(0.4 * probes[h] @ kt.T - nu[h][:, None])
+        gram = phi.T @ phi
+        lam = 1e-2 * np.linalg.eigvalsh(gram).max()
+        assert np.allclose((gram + lam * np.eye(5)) @ p_mat[h], phi.T, atol=1e-12)
+
+
+def test_recent_queries_count_a_run_of_equal_rows_once(monkeypatch):
+    monkeypatch.setattr(ny, "RECENT_BLOCK", 5)  # runs cross block edges
+    rows = np.repeat(np.arange(10, dtype=np.float32), 3)  # a trace recorded with stride 3
+    q = np.stack([np.stack([rows, -rows], axis=1), np.stack([2 * rows, rows], axis=1)])  # [2, 30, 2]
+    got = ny.recent_queries(q, 4)
+    assert got.dtype == np.float64 and np.array_equal(got[0, :, 0], [6, 7, 8, 9])
+    assert np.array_equal(got[1, :, 0], [12, 14, 16, 18])
+    assert ny.recent_queries(q, 50).shape == (2, 10, 2)  # fewer distinct rows: all of them
+
+
+def test_probes_are_segment_mean_queries_then_recent_queries():
+    st, q, k, _, _ = sealed(100, 100, m=8, w=16, sink=4)
+    qt, _ = ny.landmarks(q[:, 4:84], k[4:84], 4)
+    assert st.far.probes.shape == (2, 8, 16)
+    assert np.allclose(st.far.probes[:, :4], qt) and np.array_equal(st.far.probes[:, 4:], q[:, 96:100])
 
 
 def test_landmarks_are_segment_means():
@@ -193,7 +326,8 @@ def test_steps_grow_no_array():
 
     def shapes():
         arrs = [st.exact_k, st.exact_v] + [getattr(st.far, f) for f in
-                                           ("k_tilde", "q_tilde", "m_hat", "r", "c", "z", "theta")]
+                                           ("k_tilde", "probes", "m_hat", "r", "c", "z", "theta",
+                                            "count", "vsum", "vlo", "vhi", "last_logit")]
         return [a.shape for a in arrs], st.memory_bytes()
 
     before = shapes()

@@ -2,9 +2,10 @@
 
 It recomputes, from the full history and with plain loops, what a sealed
 state should answer at a given decode position: no ring, no online
-stabilizers, no chunking, nothing shared with the fast path except
-``np.linalg.pinv`` (the definition of the pseudo-inverse, same ``rcond``).
-Use it on small inputs only (the loops are per row).
+stabilizers, no chunking, no SVD (the ridge fit is solved from its normal
+equations, ``λ`` from the largest eigenvalue of ``ΦᵀΦ``), nothing shared
+with the fast path but the estimator's definition (module doc of
+``kvreg.nystrom``). Use it on small inputs only (the loops are per row).
 """
 
 from __future__ import annotations
@@ -16,8 +17,24 @@ import numpy as np
 __all__ = ["nystrom_oracle"]
 
 
+def _recent_positions(q_trace: np.ndarray, t0: int, n: int) -> list[int]:
+    """The last ``n`` positions of the trace that end a run of equal rows
+    (all heads of the group compared), newest first."""
+    out: list[int] = []
+    for p in range(t0 - 1, -1, -1):
+        if len(out) == n:
+            break
+        if p == t0 - 1 or not np.array_equal(q_trace[:, p], q_trace[:, p + 1]):
+            out.append(p)
+    return out
+
+
+def _segments(lo: int, n: int, m: int) -> list[tuple[int, int]]:
+    return [(lo + j * n // m, lo + (j + 1) * n // m) for j in range(m)]
+
+
 def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink: int,
-                   scale: float, rcond: float = 1e-6) -> np.ndarray:
+                   scale: float, rcond: float = 1e-3) -> np.ndarray:
     """What a state sealed at ``t0`` rows answers for query ``q [hpk, hd]``
     once rows ``[0, pos]`` are in it (``pos >= t0 - 1``).
 
@@ -38,6 +55,20 @@ def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink:
     n0 = t0 - min(sink, t0) - min(w, t0 - min(sink, t0))
     has_far = n0 > 0
     far_rows = list(range(n_sink, win_lo)) if has_far else []
+    if has_far:
+        me = min(m, n0)
+        n_seg = (me + 1) // 2
+        segs = _segments(sink, n0, me)
+        kt = np.array([sum(k[p] for p in range(a, b)) / (b - a) for a, b in segs])
+        # pooled prior: segment sums at the seal, later rows join the last one
+        count = np.array([float(b - a) for a, b in segs])
+        vsum = np.array([sum(v[p] for p in range(a, b)) for a, b in segs])
+        for p in range(sink + n0, win_lo):
+            count[-1] += 1.0
+            vsum[-1] += v[p]
+        vlo = np.array([min(v[p, d] for p in far_rows) for d in range(hd)])
+        vhi = np.array([max(v[p, d] for p in far_rows) for d in range(hd)])
+        recent = _recent_positions(q_trace, t0, me - n_seg)
     out = np.zeros((hpk, hd))
     for h in range(hpk):
         num = np.zeros(hd)
@@ -47,29 +78,33 @@ def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink:
             num += e * v[p]
             den += e
         if has_far:
-            me = min(m, n0)
-            kt = np.zeros((me, hd))
-            qt = np.zeros((me, hd))
-            for j in range(me):
-                lo = sink + j * n0 // me
-                hi = sink + (j + 1) * n0 // me
-                kt[j] = sum(k[p] for p in range(lo, hi)) / (hi - lo)
-                qt[j] = sum(q_trace[h, p] for p in range(lo, hi)) / (hi - lo)
-            lg = np.array([[scale * float(qt[j] @ kt[i]) for i in range(me)] for j in range(me)])
-            r = lg.max(axis=1)
-            m_hat = np.linalg.pinv(np.exp(lg - r[:, None]), rcond=rcond)
-            # far sums with the exact max of each landmark's logits
-            fl = np.array([[scale * float(qt[j] @ k[p]) for p in far_rows] for j in range(me)])
-            c = fl.max(axis=1)
-            z = np.array([sum(math.exp(fl[j, i] - c[j]) for i in range(len(far_rows)))
-                          for j in range(me)])
-            th = np.array([sum(math.exp(fl[j, i] - c[j]) * v[p] for i, p in enumerate(far_rows))
-                           for j in range(me)])
+            probes = [sum(q_trace[h, p] for p in range(a, b)) / (b - a)
+                      for a, b in _segments(sink, n0, n_seg)]
+            probes += [q_trace[h, p] for p in recent]
+            # each probe's attention denominator over the whole prompt
+            nu = [math.log(sum(math.exp(scale * float(qs @ k[p])) for p in range(t0)))
+                  for qs in probes]
+            phi = np.array([[math.exp(scale * float(qs @ kt[i]) - nu[s]) for i in range(me)]
+                            for s, qs in enumerate(probes)])
+            gram = phi.T @ phi
+            lam = rcond * float(np.linalg.eigvalsh(gram).max())
+            p_mat = np.linalg.solve(gram + lam * np.eye(me), phi.T)  # [me, probes]
+            # W = P·F̂ + R·W₀ (the fast path keeps W₀ + P·(F̂ − Φ·W₀): the same map)
+            r_mat = np.eye(me) - p_mat @ phi
+            # probe far sums over the rows far now, each over its denominator
+            f_num = np.array([sum(math.exp(scale * float(qs @ k[p]) - nu[s]) * v[p]
+                                  for p in far_rows) for s, qs in enumerate(probes)])
+            f_den = np.array([sum(math.exp(scale * float(qs @ k[p]) - nu[s]) for p in far_rows)
+                              for s, qs in enumerate(probes)])
             a = np.array([math.exp(scale * float(q[h] @ kt[i])) for i in range(me)])
-            coef = (a @ m_hat) * np.exp(c - r)
-            den_f = float(coef @ z)
-            if den_f > 0:
-                num += coef @ th
-                den += den_f
+            den_f = float(a @ p_mat @ f_den + a @ r_mat @ count)
+            num_f = a @ p_mat @ f_num + a @ r_mat @ vsum
+            den_pool = float(a @ count)  # Jensen: a lower bound on the far denominator
+            # the far average lies in the box of the far values
+            outside = any(num_f[d] < den_f * vlo[d] or num_f[d] > den_f * vhi[d] for d in range(hd))
+            if den_f < den_pool or outside:
+                num_f, den_f = a @ vsum, den_pool
+            num += num_f
+            den += den_f
         out[h] = num / den
     return out

@@ -3,7 +3,7 @@
 Every kernel here is serial and releases the GIL: an O(1) seal runs its KV
 groups on threads (``NumbaBackend.parallel_seal``), so a kernel that threads
 itself would oversubscribe the cores. The landmark arithmetic stays float64
-as in the reference (``â·M̂`` cancels, see kvreg.nystrom); the exponentials
+as in the reference (``φ·P`` cancels in part, see kvreg.nystrom); the exponentials
 are :func:`fexp64`, a vectorizable float64 exp.
 """
 
@@ -14,6 +14,8 @@ from llvmlite import ir
 from numba import njit
 from numba.core import types
 from numba.extending import intrinsic
+
+from kvreg.nystrom import absorb_pooled
 
 from . import config
 
@@ -203,9 +205,11 @@ def prefill_kernel(qt, k, v, scale, rows, c, z, theta):
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
-def absorb_kernel(qt, c, z, theta, k_row, v_row, scale):
+def absorb_kernel(qt, c, z, theta, k_row, v_row, scale, pooled, last_logit):
     """One row into the far sums, in place: ``qt [L, hd]``, ``c``, ``z [L]``,
-    ``theta [L, hd]`` (f64, the FarField's arrays flattened over heads)."""
+    ``theta [L, hd]`` (f64, the FarField's arrays flattened over heads). With
+    ``pooled`` the sums are residuals: the row's stand-in, logit
+    ``last_logit [L]``, is subtracted."""
     L, hd = qt.shape
     for i in range(L):
         q = qt[i]
@@ -216,6 +220,8 @@ def absorb_kernel(qt, c, z, theta, k_row, v_row, scale):
         cn = max(c[i], x)
         a = fexp64(c[i] - cn)
         b = fexp64(x - cn)
+        if pooled:
+            b -= fexp64(last_logit[i] - cn)
         z[i] = z[i] * a + b
         th = theta[i]
         for d in range(hd):
@@ -224,19 +230,24 @@ def absorb_kernel(qt, c, z, theta, k_row, v_row, scale):
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
-def step_kernel(q, k_exact, v_exact, has_far, k_tilde, m_hat, r, c, z, theta, scale, out):
+def step_kernel(q, k_exact, v_exact, has_far, k_tilde, m_hat, r, c, z, theta, has_pool, count,
+                vsum, vlo, vhi, scale, out):
     """One decode read of a group (kvreg.nystrom.nystrom_parts, then the
     ratio): ``q [hpk, hd]`` f32; exact rows ``[e, hd]`` f32; far state f64
-    (``k_tilde [m, hd]``, ``m_hat [hpk, m, m]``, ``r``/``c``/``z [hpk, m]``,
-    ``theta [hpk, m, hd]``). O(e·hd + m·(m + hd)) per head."""
+    (``k_tilde [m, hd]``, ``m_hat [hpk, m, p]``, ``r``/``c``/``z [hpk, p]``,
+    ``theta [hpk, p, hd]``; with ``has_pool`` also ``count [m]``, ``vsum [m,
+    hd]``, ``vlo``/``vhi [hd]``, and ``z``/``theta`` are residuals).
+    O(e·hd + m·(p + hd) + p·hd) per head."""
     hpk, hd = q.shape
     ne = k_exact.shape[0]
     m = k_tilde.shape[0]
+    npr = c.shape[1]
     q64 = np.empty(hd)
     se = np.empty(ne)
-    sa = np.empty(m)
-    u = np.empty(m)
+    a = np.empty(m)
+    u = np.empty(npr)
     num = np.empty(hd)
+    nump = np.empty(hd)
     for h in range(hpk):
         for d in range(hd):
             q64[d] = np.float64(q[h, d])
@@ -253,6 +264,7 @@ def step_kernel(q, k_exact, v_exact, has_far, k_tilde, m_hat, r, c, z, theta, sc
             num[d] = 0.0
         den_f = 0.0
         if has_far:
+            # a = φ(q)·e^{−μa}
             mu_a = -np.inf
             for i in range(m):
                 kt = k_tilde[i]
@@ -260,28 +272,59 @@ def step_kernel(q, k_exact, v_exact, has_far, k_tilde, m_hat, r, c, z, theta, sc
                 for d in range(hd):
                     s += q64[d] * kt[d]
                 s *= scale
-                sa[i] = s
+                a[i] = s
                 mu_a = max(mu_a, s)
-            for j in range(m):
+            for i in range(m):
+                a[i] = fexp64(a[i] - mu_a)
+            # u = a·P; the probes' part under the shared max
+            for j in range(npr):
                 u[j] = 0.0
             mh = m_hat[h]
             for i in range(m):
-                a = fexp64(sa[i] - mu_a)
+                ai = a[i]
                 row = mh[i]
-                for j in range(m):
-                    u[j] += a * row[j]
+                for j in range(npr):
+                    u[j] += ai * row[j]
             lf_max = -np.inf
-            for j in range(m):
+            for j in range(npr):
                 lf_max = max(lf_max, mu_a + (c[h, j] - r[h, j]))
             mu = max(mu, lf_max)
+            if has_pool:
+                mu = max(mu, mu_a)
             th = theta[h]
-            for j in range(m):
+            for j in range(npr):
                 gj = u[j] * fexp64(mu_a + (c[h, j] - r[h, j]) - mu)
                 den_f += gj * z[h, j]
                 tj = th[j]
                 for d in range(hd):
                     num[d] += gj * tj[d]
-            if not den_f > 0:
+            if has_pool:
+                # pooling a·W₀ plus the correction just summed, then the checks:
+                # the Jensen floor and the box of the far values
+                sp = fexp64(mu_a - mu)
+                den_p = 0.0
+                for d in range(hd):
+                    nump[d] = 0.0
+                for i in range(m):
+                    ai = sp * a[i]
+                    den_p += ai * count[i]
+                    vs = vsum[i]
+                    for d in range(hd):
+                        nump[d] += ai * vs[d]
+                bad = den_f < 0
+                den_t = den_p + den_f
+                for d in range(hd):
+                    x = nump[d] + num[d]
+                    num[d] = x
+                    if x < den_t * vlo[d] or x > den_t * vhi[d]:
+                        bad = True
+                if bad:
+                    den_f = den_p
+                    for d in range(hd):
+                        num[d] = nump[d]
+                else:
+                    den_f = den_t
+            elif not den_f > 0:
                 den_f = 0.0
                 for d in range(hd):
                     num[d] = 0.0
@@ -310,13 +353,13 @@ def _f32(a):
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def nystrom_prefill(q_tilde, k_far, v_far, scale, *, rows=None):
-    hpk, m, hd = q_tilde.shape
+def nystrom_prefill(probes, k_far, v_far, scale, *, rows=None):
+    hpk, m, hd = probes.shape
     L = hpk * m
     c = np.empty(L)
     z = np.empty(L)
     theta = np.empty((L, hd))
-    prefill_kernel(_f64(q_tilde).reshape(L, hd), _f32(k_far), _f32(v_far), float(scale),
+    prefill_kernel(_f64(probes).reshape(L, hd), _f32(k_far), _f32(v_far), float(scale),
                    int(rows or config.NYSTROM_PREFILL_ROWS), c, z, theta)
     return c.reshape(hpk, m), z.reshape(hpk, m), theta.reshape(hpk, m, hd)
 
@@ -333,15 +376,23 @@ def _own_f64(far, name):
 
 
 def nystrom_absorb(far, k_row, v_row, scale):
-    hpk, m, hd = far.q_tilde.shape
+    hpk, p, hd = far.probes.shape
     c, z, theta = (_own_f64(far, n) for n in ("c", "z", "theta"))
-    absorb_kernel(_f64(far.q_tilde).reshape(hpk * m, hd), c.reshape(-1), z.reshape(-1),
-                  theta.reshape(hpk * m, hd), _f32(k_row), _f32(v_row), float(scale))
+    pooled = far.pooled
+    last = _f64(far.last_logit).reshape(-1) if pooled else _NO_LAST
+    absorb_kernel(_f64(far.probes).reshape(hpk * p, hd), c.reshape(-1), z.reshape(-1),
+                  theta.reshape(hpk * p, hd), _f32(k_row), _f32(v_row), float(scale), pooled, last)
+    if pooled:
+        for n in ("count", "vsum", "vlo", "vhi"):
+            _own_f64(far, n)
+        absorb_pooled(far, v_row)  # O(hd) bookkeeping, the reference's own
     far.rows += 1
 
 
+_NO_LAST = np.empty(0)
 _NO_FAR = (np.empty((0, 0)), np.empty((0, 0, 0)), np.empty((0, 0)), np.empty((0, 0)),
            np.empty((0, 0)), np.empty((0, 0, 0)))
+_NO_POOL = (np.empty(0), np.empty((0, 0)), np.empty(0), np.empty(0))
 
 
 def nystrom_step(q_group, k_exact, v_exact, far, scale):
@@ -352,5 +403,9 @@ def nystrom_step(q_group, k_exact, v_exact, far, scale):
     else:
         parts = (_f64(far.k_tilde), _f64(far.m_hat), _f64(far.r), _f64(far.c), _f64(far.z),
                  _f64(far.theta))
-    step_kernel(q, _f32(k_exact), _f32(v_exact), far is not None, *parts, float(scale), out)
+    pooled = far is not None and far.pooled
+    pool = (tuple(_f64(getattr(far, n)) for n in ("count", "vsum", "vlo", "vhi"))
+            if pooled else _NO_POOL)
+    step_kernel(q, _f32(k_exact), _f32(v_exact), far is not None, *parts, pooled, *pool,
+                float(scale), out)
     return out

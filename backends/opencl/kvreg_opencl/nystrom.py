@@ -1,11 +1,11 @@
 """Host driver of the float64 Nyström decode read (``cl/nystrom.cl``).
 
 Everything the step reads travels per call: the exact rows (one slot of the
-state changes per step) and the far field (``c``, ``z`` and ``Θ`` change on
-every absorb once the window is full). The state is small and fixed in
-context length -- ``(sink + w)`` float32 rows plus O(hpk·m·(m + hd)) float64
-values per KV group -- so there is no mirror: see docs/opencl.md for what
-this costs and where it pays.
+state changes per step) and the far field (``c``, ``z``, ``Θ`` and the pooled
+sums change on every absorb once the window is full). The state is small and
+fixed in context length -- ``(sink + w)`` float32 rows plus O(hpk·m·(m + hd))
+float64 values per KV group -- so there is no mirror: see docs/opencl.md for
+what this costs and where it pays.
 """
 
 from __future__ import annotations
@@ -41,19 +41,24 @@ def _nystrom_step(dev, q_group, k_exact, v_exact, far, scale):
     sc = scratch(dev)
     d = sc.dummy
     if far is not None:
-        m = far.k_tilde.shape[0]
+        m, npr = far.k_tilde.shape[0], far.c.shape[1]
         fbufs = [sc.put(f"ny_{n}", _f64(getattr(far, n)))
                  for n in ("k_tilde", "m_hat", "r", "c", "z", "theta")]
     else:
-        m = 0
+        m = npr = 0
         fbufs = [d] * 6
+    pooled = far is not None and far.pooled
+    pbufs = ([sc.put(f"ny_{n}", _f64(getattr(far, n))) for n in ("count", "vsum", "vlo", "vhi")]
+             if pooled else [d] * 4)
     L = _local_size(kern, dev)
     out_buf = sc.get("ny_out", hpk * hd * 4)
     kern(dev.queue, (L, hpk), (L, 1),
          sc.put("ny_q", q), sc.put("ny_ke", ke), sc.put("ny_ve", ve),
-         np.int32(e), np.int32(hd), np.int32(m), np.float64(scale), *fbufs,
-         sc.get("ny_se", hpk * e * 8), sc.get("ny_fb", max(1, hpk * 3 * m) * 8), out_buf,
-         cl.LocalMemory(8 * hd), cl.LocalMemory(8 * (L + 4)))
+         np.int32(e), np.int32(hd), np.int32(m), np.int32(npr), np.int32(pooled), np.float64(scale),
+         *fbufs, *pbufs,
+         sc.get("ny_se", hpk * e * 8), sc.get("ny_fb", max(1, hpk * (m + 2 * npr)) * 8), out_buf,
+         cl.LocalMemory(8 * hd), cl.LocalMemory(8 * hd), cl.LocalMemory(8 * hd),
+         cl.LocalMemory(8 * (L + 8)))
     out = np.empty((hpk, hd), np.float32)
     cl.enqueue_copy(dev.queue, out, out_buf)
     return out
