@@ -49,7 +49,7 @@ class FakeStorage:
         self.nkv, self.hd, self.cap = nkv, hd, cap
         self.k_quant, self.v_quant = kq, vq
         ngk = -(-hd // 32)
-        z = lambda *s, dt=np.float32: np.zeros((nkv, cap) + s, dtype=dt)  # noqa: E731
+        z = lambda *s, dt=np.float32: np.zeros((nkv, cap) + s, dtype=dt)
         self.k = None if kq else z(hd)
         self.kq = z(hd, dt=np.int8) if kq else None
         self.ks = z(ngk) if kq else None
@@ -186,3 +186,37 @@ def oracle_group(st, q, g, *, scale, first=0, softcap=0.0, upto=None, sinks=None
         probs[h] = e / z
         out[h] = probs[h] @ V
     return out, probs
+
+
+#: (K quantized, V quantized) per mode name.
+MODES = {"f32": (False, False), "q8": (True, True), "q8k": (True, False), "q8v": (False, True)}
+#: float32 scores/exp/sums against the f64 oracle over <= 64 rows.
+RTOL = 2e-5
+
+
+def filled_storage(nkv, hd, rows, mode="f32", *, seed=0, alive=None, exact=0):
+    """A fake storage of ``mode`` holding ``rows`` seeded random rows
+    (``exact``: its q8 exact rows per head)."""
+    kq, vq = MODES[mode]
+    st = FakeStorage(nkv, hd, kq=kq, vq=vq, exact=exact)
+    rng = np.random.default_rng(seed)
+    for _ in range(rows):
+        st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)), alive)
+    return st
+
+
+def mirrored(dev, st):
+    """A device mirror of ``st``, synced once."""
+    from kvreg_opencl.mirror import DeviceMirror
+
+    m = DeviceMirror(dev)
+    m.sync(st)
+    return m
+
+
+def check_close(got, want, what):
+    """``got`` within :data:`RTOL` (relative to the largest |want|, at least 1) of ``want``."""
+    want = np.asarray(want)
+    err = np.abs(got - want).max() if want.size else 0.0
+    bound = RTOL * max(1.0, np.abs(want).max() if want.size else 0.0)
+    assert err <= bound, f"{what}: max abs err {err:.3g} > {bound:.3g}"

@@ -4,35 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ocl_helpers import FakeStorage, oracle_group
-
 from kvreg_opencl import kernels
-from kvreg_opencl.mirror import DeviceMirror
-
-MODES = {"f32": (False, False), "q8": (True, True), "q8k": (True, False), "q8v": (False, True)}
-RTOL = 2e-5  # float32 scores/exp/sums vs f64 over <= 64 rows
-
-
-def filled(nkv, hd, rows, mode="f32", seed=0, alive=None):
-    kq, vq = MODES[mode]
-    st = FakeStorage(nkv, hd, kq=kq, vq=vq)
-    rng = np.random.default_rng(seed)
-    for _ in range(rows):
-        st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)), alive)
-    return st
-
-
-def mirrored(dev, st):
-    m = DeviceMirror(dev)
-    m.sync(st)
-    return m
-
-
-def check_close(got, want, what):
-    want = np.asarray(want)
-    err = np.abs(got - want).max() if want.size else 0.0
-    bound = RTOL * max(1.0, np.abs(want).max() if want.size else 0.0)
-    assert err <= bound, f"{what}: max abs err {err:.3g} > {bound:.3g}"
+from ocl_helpers import MODES, check_close, mirrored, oracle_group
+from ocl_helpers import filled_storage as filled
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

@@ -7,32 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvreg_opencl import kernels
-from kvreg_opencl.mirror import DeviceMirror
-from ocl_helpers import FakeStorage, oracle_group
+from ocl_helpers import check_close, filled_storage, mirrored, oracle_group
 
-MODES = {"q8": (True, True), "q8k": (True, False), "q8v": (False, True)}
-RTOL = 2e-5
+Q8_MODES = ["q8", "q8k", "q8v"]
 
 
 def filled(nkv, hd, rows, mode, *, exact=4, seed=0):
-    kq, vq = MODES[mode]
-    st = FakeStorage(nkv, hd, kq=kq, vq=vq, exact=exact)
-    rng = np.random.default_rng(seed)
-    for _ in range(rows):
-        st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)))
-    return st
-
-
-def mirrored(dev, st):
-    m = DeviceMirror(dev)
-    m.sync(st)
-    return m
-
-
-def check_close(got, want, what):
-    err = np.abs(got - want).max()
-    bound = RTOL * max(1.0, np.abs(want).max())
-    assert err <= bound, f"{what}: max abs err {err:.3g} > {bound:.3g}"
+    return filled_storage(nkv, hd, rows, mode, seed=seed, exact=exact)
 
 
 def scramble_int8_copies(st):
@@ -51,7 +32,7 @@ def scramble_int8_copies(st):
 
 
 @pytest.mark.parametrize("hd", [64, 40, 36], ids=["hd64", "hd40", "hd36"])
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", Q8_MODES)
 @pytest.mark.parametrize("first", [0, 2, 6])
 def test_exact_rows_match_oracle(dev, small_blocks, mode, hd, first):
     nkv, hpk, rows = 2, 3, 21
@@ -71,7 +52,7 @@ def test_exact_rows_match_oracle(dev, small_blocks, mode, hd, first):
         check_close(probs[hs, : p.shape[1]], p, f"{mode} hd={hd} first={first} probs g={g}")
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", Q8_MODES)
 def test_chunk_reads_exact_rows(dev, small_blocks, mode):
     nkv, hpk, hd, rows = 2, 2, 32, 12
     st = filled(nkv, hd, rows, mode, seed=4)
