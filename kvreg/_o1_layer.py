@@ -34,6 +34,9 @@ class O1Collecting:
     seal_at: int | None
     #: Rotated queries, one ``[num_heads * hd]`` row per traced position.
     q_rows: list = field(default_factory=list)
+    #: Far rows kept exact per group (:class:`~kvreg.nystrom.NystromState`
+    #: ``heavy``); None = ``m``.
+    heavy: int | None = None
 
     def q_len(self) -> int:
         return sum(int(r.size) for r in self.q_rows)
@@ -58,19 +61,24 @@ class O1Mixin:
 
     # ── arming and the query trace ──
 
-    def o1_begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, *, scale=None) -> None:
+    def o1_begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, *, scale=None,
+                 heavy: int | None = None) -> None:
         """Arm query collection for a fresh prompt pass."""
-        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale)
+        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale, heavy=heavy)
 
     def o1_begin_with_boundary(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate,
-                               seal_at: int | None = None, *, scale=None) -> None:
+                               seal_at: int | None = None, *, scale=None,
+                               heavy: int | None = None) -> None:
         """Arm collection with an optional completed-row seal barrier.
 
         The geometry (m >= 4, w > 0) is checked by the seal, as the seed does;
-        here only the types. ``scale`` is the score scale (1/√hd by default).
+        here only the types. ``scale`` is the score scale (1/√hd by default);
+        ``heavy`` the far rows each group keeps exact (None: ``m``).
         """
         for name, x in (("m", m), ("w", w), ("sink", sink)):
             V.nonneg_int(name, x)
+        if heavy is not None:
+            V.nonneg_int("heavy", heavy)
         if seal_at is not None:
             V.nonneg_int("seal_at", seal_at)
         if not isinstance(rect, O1Rect):
@@ -78,9 +86,10 @@ class O1Mixin:
         if self.bounded is not None:
             raise StateError("a bounded-anchor layer cannot take an O(1) overlay")
         self._o1_scale = float(V.scale(scale) if scale is not None else self.default_scale)
-        self._o1 = O1Collecting(int(m), int(w), int(sink), rect, seal_at)
+        heavy = None if heavy is None else int(heavy)
+        self._o1 = O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy)
         self._o1_q_stride = 1
-        self._o1_params = (int(m), int(w), int(sink), rect)
+        self._o1_params = (int(m), int(w), int(sink), rect, heavy)
         self._o1_error = None
         self._o1_transitioned = False
 
@@ -123,14 +132,14 @@ class O1Mixin:
         kk = V.array("k", k, (rows, nkv, hd))
         vv = V.array("v", v, (rows, nkv, hd))
         qq = V.flat("q", q).copy()
-        m, w, sink, rect = self._o1_params
+        m, w, sink, rect, heavy = self._o1_params
         self._kv_rows_changed(0)
         self._st.release()
         self._st.append({"k": kk.transpose(1, 0, 2), "v": vv.transpose(1, 0, 2)}, np.arange(nkv), rows)
         self._seq_len = rows
         self._base = 0
         self._o1_q_stride = stride
-        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq])
+        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq], heavy)
         return True
 
     # ── boundary ──
@@ -235,7 +244,8 @@ class O1Mixin:
 
         def seal_group(g: int) -> NystromState:
             state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1_scale,
-                                           rect=col.rect, kernels=self._nystrom_kernels())
+                                           rect=col.rect, kernels=self._nystrom_kernels(),
+                                           heavy=col.heavy)
             # This group's heads, each head's queries contiguous: [hpk, t, hd]
             # (position p reads trace row p // stride).
             qg = trace[:, g * hpk:(g + 1) * hpk]

@@ -4,7 +4,9 @@ After ``o1_seal`` a layer keeps no per-position storage. Each KV group keeps:
 
 * the **sinks**: the first ``sink`` rows, K and V exact;
 * the **window**: the last ``w`` rows, K and V exact, as a ring;
-* the **far field**, every row between them, summarized by ``m`` landmark
+* the **heavy rows**: ``heavy`` far rows of largest prompt attention mass,
+  K and V exact (see "Heavy rows" below);
+* the **far field**, every other row between them, summarized by ``m`` landmark
   keys (rectangle :attr:`O1Rect.Aggregate`: ``K̃ [m, hd]`` = means of the far
   keys over ``m`` contiguous segments of the far rows at the seal).
 
@@ -66,7 +68,7 @@ Stored per head (float64): ``probes [p, hd]``, ``m_hat = P [m, p]``, ``r = ν
 [p]`` (log ``D_s``), the residual sums with an online-softmax stabilizer ``c
 [p]`` (``z``, ``theta``: ``E = e^{c − ν}·[theta, z]``) and ``last_logit [p] =
 s·Q_P·k̃_last``; per group ``k_tilde``, ``count``, ``vsum`` (``W₀``), ``vlo`` and
-``vhi``. A decode step puts the exact part (sinks + window) and the far part
+``vhi``. A decode step puts the exact part (sinks + heavy rows + window) and the far part
 under ONE shared max ``μ`` (every exponent ≤ 0) and returns ``(num_exact +
 num_far) / (den_exact + den_far)``.
 
@@ -75,6 +77,24 @@ landmark state is float64 and the step computes in float64: ``φ·P`` has
 entries of both signs, so the correction cancels in part. The landmark state
 is O(m·(m + hd)) per head, so the doubled width costs nothing that grows with
 context.
+
+Heavy rows. Mean-based summaries cannot represent needle-like far
+attention (a few far rows of very high logit: on the real data of
+``o1_report --real`` the far estimate recovered ~0.01-0.05 of an exact far
+mass of ~0.3). So the seal keeps ``heavy`` far rows (default ``m``: the
+memory of ``m`` more exact rows) EXACT, with the sinks and the window: the
+far rows of largest attention mass under a sample of the prompt's queries
+(:func:`heavy_select`: the ``HEAVY_QUERIES // hpk`` most recent distinct
+positions, every head of the group, each query causal and normalized, float32
+logits). They leave the far field (segments, pooling prior, value box and
+the probes' far sums; the probes' ``ν`` still spans the whole prompt) and
+join the exact rows the step takes (``sinks | heavy | window ring``), so the
+step kernels are unchanged and a step costs O((sink + heavy + w)·hd +
+m·(m + hd)) per head. At least one far row stays (``min(heavy, far − 1)``
+are kept). Measured on that real data (2048 rows, decode right after the
+seal): the recent queries pick better rows than evenly spaced ones or every
+prompt query (``HEAVY_EVEN`` mixes evenly spaced ones in), and 64 query
+vectors as well as 256.
 
 Degenerate case: a prompt of ``t <= sink + w`` rows has no far field; the
 state is then exact-only. Decode rows keep filling the window; once a row must
@@ -110,6 +130,10 @@ __all__ = [
     "segment_means",
     "landmarks",
     "recent_queries",
+    "recent_positions",
+    "heavy_sample",
+    "heavy_mass",
+    "heavy_select",
     "probe_log_den",
     "far_fit",
     "landmark_inverse",
@@ -126,6 +150,19 @@ PREFILL_CHUNK = 8192
 
 # Rows compared per block while looking back for the recent distinct queries.
 RECENT_BLOCK = 256
+
+# Query vectors (sampled positions x the group's heads) scored at the seal to
+# pick the heavy rows: one float32 GEMM over the prompt's keys, ~0.1 s of a
+# 32k-row, 8-group seal (module doc, "Heavy rows").
+HEAVY_QUERIES = 64
+
+# One sampled position in HEAVY_EVEN is evenly spaced over the prompt, the
+# others are the most recent ones; 0: recent ones only, the default (module
+# doc, "Heavy rows").
+HEAVY_EVEN = 0
+
+# float32 logits per block of the heavy-row scoring ([queries, rows]): ~16 MiB.
+HEAVY_BLOCK = 1 << 22
 
 
 class O1Rect(enum.Enum):
@@ -228,11 +265,11 @@ def landmarks(q_far: np.ndarray, k_far: np.ndarray, m: int) -> tuple[np.ndarray,
     return segment_means(q_far, m), segment_means(k_far, m)
 
 
-def recent_queries(q: np.ndarray, n: int) -> np.ndarray:
-    """The last ``n`` distinct query rows of a trace ``q [hpk, t, hd]``, oldest
-    first: ``[hpk, <= n, hd]`` float64. Consecutive equal rows (a trace
-    recorded with a stride repeats each row) count once; a trace with fewer
-    distinct rows gives them all."""
+def recent_positions(q: np.ndarray, n: int) -> np.ndarray:
+    """Positions of the last ``n`` distinct query rows of a trace ``q [hpk, t,
+    hd]``, oldest first (int64): consecutive equal rows (a trace recorded with
+    a stride repeats each row) count once, at the last row of their run; a
+    trace with fewer distinct rows gives them all."""
     t = q.shape[1]
     picked: list[int] = []  # positions, newest first: the last row of each run
     end = t
@@ -247,13 +284,80 @@ def recent_queries(q: np.ndarray, n: int) -> np.ndarray:
                 if len(picked) == n:
                     break
         end = lo
-    return q[:, picked[::-1]].astype(np.float64)
+    return np.array(picked[::-1], dtype=np.int64)
+
+
+def recent_queries(q: np.ndarray, n: int) -> np.ndarray:
+    """The last ``n`` distinct query rows of a trace ``q [hpk, t, hd]``, oldest
+    first: ``[hpk, <= n, hd]`` float64 (:func:`recent_positions`)."""
+    return q[:, recent_positions(q, n)].astype(np.float64)
+
+
+def heavy_sample(q: np.ndarray, lo: int, n: int) -> np.ndarray:
+    """The prompt positions whose queries score the heavy rows, sorted
+    (int64): the last ``n − e`` distinct ones (:func:`recent_positions`:
+    where decode starts) and ``e = ⌊n/HEAVY_EVEN⌋`` (none for ``HEAVY_EVEN =
+    0``) evenly spaced over ``[lo, t)`` (``lo + ⌊(j + 1)·(t − lo)/e⌋ − 1``: the
+    whole prompt's queries that can see a far row), duplicates once."""
+    t = q.shape[1]
+    n_even = n // HEAVY_EVEN if HEAVY_EVEN else 0
+    even = lo + ((np.arange(n_even, dtype=np.int64) + 1) * (t - lo)) // max(n_even, 1) - 1
+    return np.unique(np.concatenate([recent_positions(q, n - n_even), even]))
+
+
+def heavy_mass(q: np.ndarray, k: np.ndarray, pos: np.ndarray, lo: int, hi: int,
+               scale: float) -> np.ndarray:
+    """``[hi − lo]`` float64: the attention mass that the queries at positions
+    ``pos`` (sorted) of every head of ``q [hpk, t, hd]`` put on each row of
+    ``[lo, hi)`` of ``k [t, hd]``, each query causal (rows ``<= p``) and
+    normalized over its rows, summed over the queries and heads. float32
+    logits, blocks of queries of at most :data:`HEAVY_BLOCK` logits: a
+    ranking, not an estimate."""
+    hpk, _, hd = q.shape
+    pos = np.asarray(pos, dtype=np.int64)
+    qs = (np.float32(scale) * q[:, pos].astype(np.float32)).transpose(1, 0, 2).reshape(-1, hd)
+    qpos = np.repeat(pos, hpk)  # position-major: a block spans few positions
+    k32 = np.asarray(k, dtype=np.float32)
+    mass = np.zeros(hi - lo)
+    if qs.shape[0] == 0:
+        return mass
+    step = max(1, HEAVY_BLOCK // int(qpos[-1] + 1))
+    for a in range(0, qs.shape[0], step):
+        pb = qpos[a:a + step]
+        end = int(pb[-1]) + 1  # the block's last query sees rows [0, end)
+        s = qs[a:a + step] @ k32[:end].T  # [b, end]
+        for i in np.flatnonzero(pb < end - 1):
+            s[i, pb[i] + 1:] = -np.inf  # causal
+        s -= s.max(axis=1, keepdims=True)
+        np.exp(s, out=s)
+        top = min(hi, end)
+        if top > lo:
+            mass[:top - lo] += (1.0 / s.sum(axis=1)) @ s[:, lo:top]
+    return mass
+
+
+def heavy_select(q: np.ndarray, k: np.ndarray, lo: int, hi: int, n: int,
+                 scale: float) -> np.ndarray:
+    """The ``n`` rows of ``[lo, hi)`` of largest :func:`heavy_mass` over the
+    queries of :func:`heavy_sample` (``HEAVY_QUERIES // hpk`` positions),
+    sorted positions (int64); none for ``n = 0``."""
+    n = min(int(n), hi - lo)
+    if n <= 0:
+        return np.zeros(0, dtype=np.int64)
+    pos = heavy_sample(q, lo, max(1, HEAVY_QUERIES // q.shape[0]))
+    neg = -heavy_mass(q, k, pos, lo, hi, scale)
+    # the n largest, ties to the earlier row (a stable argsort's order, by
+    # partition: a full sort of 32k rows costs as much as the scoring's exp)
+    kth = np.partition(neg, n - 1)[n - 1]
+    above = np.flatnonzero(neg < kth)
+    tied = np.flatnonzero(neg == kth)[:n - above.size]
+    return lo + np.sort(np.concatenate([above, tied]))
 
 
 def probe_log_den(probes: np.ndarray, k_exact: np.ndarray, c: np.ndarray, z: np.ndarray,
                   scale: float) -> np.ndarray:
     """``ν [hpk, p]``: log of each probe's attention denominator at the seal,
-    over the exact rows ``k_exact [e, hd]`` (sinks + window) and the far rows
+    over the exact rows ``k_exact [e, hd]`` (sinks, heavy rows, window) and the far rows
     (through their sums ``c``, ``z [hpk, p]``)."""
     nu = c + np.log(z)
     if k_exact.shape[0]:
@@ -358,7 +462,7 @@ def nystrom_parts(q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
     the pooled one, or a far average ``num/den`` outside the box of the far
     values, takes the pooled estimate) or clamped (no prior: a non-positive
     denominator zeroes the far part). ``k_exact``/``v_exact [e >= 1, hd]`` are
-    the sinks and window rows."""
+    the sinks, heavy and window rows."""
     q = q_group.astype(np.float64)
     se = scale * (q @ k_exact.astype(np.float64).T)  # [hpk, e]
     mu = se.max(axis=1)
@@ -400,7 +504,7 @@ def nystrom_parts(q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
 def nystrom_step(q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
                  far: FarField | None, scale: float) -> np.ndarray:
     """One decode read of every head of a group: ``q_group [hpk, hd]`` ->
-    ``out [hpk, hd]`` float32 (exact sinks + window, plus the far estimate)."""
+    ``out [hpk, hd]`` float32 (exact sinks + heavy rows + window, plus the far estimate)."""
     num_e, den_e, num_f, den_f = nystrom_parts(q_group, k_exact, v_exact, far, scale)
     return ((num_e + num_f) / (den_e + den_f)[:, None]).astype(np.float32)
 
@@ -418,14 +522,20 @@ class NystromState:
 
     Build with :meth:`new_group`, fill once with :meth:`prefill_group`, then
     :meth:`step_group` per decode token. Memory (``memory_bytes``) is fixed
-    at prefill: ``(sink + w)`` exact rows plus the O(hpk·m·(m + hd)) landmark
-    state, whatever the context length. ``rcond`` is the fit's ridge ``λ``
-    relative to ``σ_max²`` (:func:`far_fit`).
+    at prefill: ``(sink + heavy + w)`` exact rows plus the O(hpk·m·(m + hd))
+    landmark state, whatever the context length. ``rcond`` is the fit's ridge
+    ``λ`` relative to ``σ_max²`` (:func:`far_fit`). ``heavy``: the far rows
+    kept exact (module doc, "Heavy rows"); ``None`` = ``m`` (the memory of
+    ``m`` more exact rows), ``0`` = none.
     """
 
     def __init__(self, m: int, w: int, sink: int, hpk: int, *, scale: float,
-                 rect: O1Rect = O1Rect.Aggregate, rcond: float = 1e-3, kernels=None):
-        for name, val, lo in (("m", m, 1), ("w", w, 1), ("sink", sink, 0), ("hpk", hpk, 1)):
+                 rect: O1Rect = O1Rect.Aggregate, rcond: float = 1e-3, kernels=None,
+                 heavy: int | None = None):
+        if heavy is None:
+            heavy = m
+        for name, val, lo in (("m", m, 1), ("w", w, 1), ("sink", sink, 0), ("hpk", hpk, 1),
+                              ("heavy", heavy, 0)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
                 raise ConfigError(f"NystromState: {name} must be an int >= {lo}, got {val!r}")
         if not (isinstance(scale, (int, float, np.floating)) and np.isfinite(scale) and scale > 0):
@@ -435,14 +545,18 @@ class NystromState:
         if not (0 < rcond < 1):
             raise ConfigError(f"NystromState: rcond must be in (0, 1), got {rcond!r}")
         self.m, self.w, self.sink, self.hpk = int(m), int(w), int(sink), int(hpk)
+        self.heavy = int(heavy)
         self.scale = float(scale)
         self.rect = rect
         self.rcond = float(rcond)
         self.kernels = kernels if kernels is not None else sys.modules[__name__]
         self.head_dim: int | None = None
-        self.exact_k: np.ndarray | None = None  # [sink + w, hd]: sinks, then the ring
+        self.exact_k: np.ndarray | None = None  # [sink + n_heavy + w, hd]: sinks, heavy, ring
         self.exact_v: np.ndarray | None = None
         self.n_sink = 0  # sink rows held (< sink only for a prompt shorter than sink)
+        self.n_heavy = 0  # heavy rows held (min(heavy, far rows - 1); 0 without far rows)
+        self.heavy_pos = np.zeros(0, dtype=np.int64)  # their prompt positions (diagnostic)
+        self._ring = self.sink  # slot of the ring's first row: sink + n_heavy
         self.win_head = 0  # ring slot of the oldest window row
         self.win_len = 0
         self.far: FarField | None = None
@@ -452,9 +566,10 @@ class NystromState:
     @classmethod
     def new_group(cls, m: int, w: int, sink: int, hpk: int, *, scale: float,
                   rect: O1Rect = O1Rect.Aggregate, rcond: float = 1e-3,
-                  kernels=None) -> "NystromState":
+                  kernels=None, heavy: int | None = None) -> "NystromState":
         """The seed's constructor name; same arguments as ``__init__``."""
-        return cls(m, w, sink, hpk, scale=scale, rect=rect, rcond=rcond, kernels=kernels)
+        return cls(m, w, sink, hpk, scale=scale, rect=rect, rcond=rcond, kernels=kernels,
+                   heavy=heavy)
 
     # -- properties
 
@@ -512,47 +627,64 @@ class NystromState:
         n_win = min(self.w, t - n_sink)
         n_far = t - n_sink - n_win
         far = None
+        heavy = np.zeros(0, dtype=np.int64)
         if n_far > 0:
-            far = self._far_field(q, k, v, n_sink, t - n_win)
-        ek = np.zeros((self.sink + self.w, hd), dtype=np.float32)
+            # at least one row stays far: the landmarks absorb later rows
+            heavy = heavy_select(q, k, n_sink, t - n_win, min(self.heavy, n_far - 1), self.scale)
+            far = self._far_field(q, k, v, n_sink, t - n_win, heavy)
+        n_heavy = heavy.size
+        ring = self.sink + n_heavy
+        ek = np.zeros((ring + self.w, hd), dtype=np.float32)
         ev = np.zeros_like(ek)
         ek[:n_sink], ev[:n_sink] = k[:n_sink], v[:n_sink]
-        ek[self.sink:self.sink + n_win] = k[t - n_win:]
-        ev[self.sink:self.sink + n_win] = v[t - n_win:]
+        ek[self.sink:ring], ev[self.sink:ring] = k[heavy], v[heavy]
+        ek[ring:ring + n_win] = k[t - n_win:]
+        ev[ring:ring + n_win] = v[t - n_win:]
         self.head_dim = hd
         self.exact_k, self.exact_v = ek, ev
         self.n_sink, self.win_head, self.win_len = n_sink, 0, n_win
+        self.n_heavy, self.heavy_pos, self._ring = n_heavy, heavy, ring
         self.far = far
         self.seen = t
 
     def _far_field(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, lo: int,
-                   hi: int) -> FarField:
-        """The landmark state of the far rows ``[lo, hi)`` of a prompt (module
-        doc): ``m_eff = min(m, far rows)`` segments, ``⌈m_eff/2⌉`` segment-mean
-        probes and up to ``⌊m_eff/2⌋`` recent ones per head, the fit, the
-        pooling prior and the probes' residuals."""
-        n_far = hi - lo
+                   hi: int, heavy: np.ndarray) -> FarField:
+        """The landmark state of the far rows ``[lo, hi)`` of a prompt but
+        the ``heavy`` ones (module doc): ``m_eff = min(m, far rows)`` segments
+        of the remaining rows (in order), ``⌈m_eff/2⌉`` segment-mean probes
+        (of the queries at every position of ``[lo, hi)``) and up to
+        ``⌊m_eff/2⌋`` recent ones per head, the fit, the pooling prior and
+        the probes' residuals."""
+        if heavy.size:
+            keep = np.ones(hi - lo, dtype=bool)
+            keep[heavy - lo] = False
+            kf, vf = k[lo:hi][keep], v[lo:hi][keep]
+            k_exact = np.concatenate([k[:lo], k[heavy], k[hi:]])
+        else:
+            kf, vf = k[lo:hi], v[lo:hi]
+            k_exact = np.concatenate([k[:lo], k[hi:]])
+        n_far = kf.shape[0]
         m_eff = min(self.m, n_far)
         n_seg = (m_eff + 1) // 2
-        k_tilde = segment_means(k[lo:hi], m_eff)
+        k_tilde = segment_means(kf, m_eff)
         probes = segment_means(q[:, lo:hi], n_seg)
         if m_eff > n_seg:
             probes = np.concatenate([probes, recent_queries(q, m_eff - n_seg)], axis=1)
-        c, z, theta = self.kernels.nystrom_prefill(probes, k[lo:hi], v[lo:hi], self.scale)
-        nu = probe_log_den(probes, np.concatenate([k[:lo], k[hi:]]), c, z, self.scale)
+        c, z, theta = self.kernels.nystrom_prefill(probes, kf, vf, self.scale)
+        nu = probe_log_den(probes, k_exact, c, z, self.scale)
         m_hat = far_fit(probes, k_tilde, nu, self.scale, self.rcond)
         # the pooling prior W₀, and the probes' residuals E = F̂ − Φ·W₀ (in
         # units of e^{c − ν}: Φ·W₀·e^{ν − c} = exp(s·probes·K̃ᵀ − c)·W₀)
         b = segment_bounds(n_far, m_eff)
         count = np.diff(b).astype(np.float64)
-        vsum = np.stack([v[lo + b[j]:lo + b[j + 1]].sum(axis=0, dtype=np.float64)
+        vsum = np.stack([vf[b[j]:b[j + 1]].sum(axis=0, dtype=np.float64)
                          for j in range(m_eff)])
         pl = self.scale * np.einsum("hjd,id->hji", probes, k_tilde)  # [hpk, p, m]
         stand_in = np.exp(pl - c[:, :, None])
         z = z - stand_in @ count
         theta = theta - stand_in @ vsum
-        vlo = v[lo:hi].min(axis=0).astype(np.float64)
-        vhi = v[lo:hi].max(axis=0).astype(np.float64)
+        vlo = vf.min(axis=0).astype(np.float64)
+        vhi = vf.max(axis=0).astype(np.float64)
         return FarField(k_tilde, probes, m_hat, nu, c, z, theta, n_far, count, vsum, vlo, vhi,
                         np.ascontiguousarray(pl[:, :, -1]))
 
@@ -578,9 +710,10 @@ class NystromState:
         return out
 
     def exact_rows(self):
-        """Sinks and window rows ``(k, v)`` as contiguous views (no copy): the window
-        occupies ring slots in some rotation, which attention does not see."""
-        n = self.sink + self.win_len if self.n_sink == self.sink else None
+        """Sinks, heavy and window rows ``(k, v)`` as contiguous views (no
+        copy): the window occupies ring slots in some rotation, which attention
+        does not see."""
+        n = self._ring + self.win_len if self.n_sink == self.sink else None
         if n is not None:
             return self.exact_k[:n], self.exact_v[:n]
         # a prompt shorter than `sink`: the window is empty until sinks fill
@@ -591,11 +724,11 @@ class NystromState:
             self.exact_k[self.n_sink], self.exact_v[self.n_sink] = k_row, v_row
             self.n_sink += 1
         elif self.win_len < self.w:
-            slot = self.sink + (self.win_head + self.win_len) % self.w
+            slot = self._ring + (self.win_head + self.win_len) % self.w
             self.exact_k[slot], self.exact_v[slot] = k_row, v_row
             self.win_len += 1
         else:
-            slot = self.sink + self.win_head
+            slot = self._ring + self.win_head
             if self.far is not None:
                 self.kernels.nystrom_absorb(self.far, self.exact_k[slot], self.exact_v[slot], self.scale)
             else:
@@ -625,7 +758,7 @@ class NystromState:
         """The window's rows, oldest first (copies): ``(k, v) [win_len, hd]``."""
         if not self.prefilled:
             raise StateError("NystromState.window_rows: not prefilled")
-        idx = self.sink + (self.win_head + np.arange(self.win_len)) % self.w
+        idx = self._ring + (self.win_head + np.arange(self.win_len)) % self.w
         return self.exact_k[idx].copy(), self.exact_v[idx].copy()
 
     def sink_rows(self) -> tuple[np.ndarray, np.ndarray]:
@@ -633,3 +766,11 @@ class NystromState:
         if not self.prefilled:
             raise StateError("NystromState.sink_rows: not prefilled")
         return self.exact_k[:self.n_sink].copy(), self.exact_v[:self.n_sink].copy()
+
+    def heavy_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The heavy rows (copies), in prompt order (positions
+        ``heavy_pos``): ``(k, v) [n_heavy, hd]``."""
+        if not self.prefilled:
+            raise StateError("NystromState.heavy_rows: not prefilled")
+        sl = slice(self.sink, self._ring)
+        return self.exact_k[sl].copy(), self.exact_v[sl].copy()

@@ -4,7 +4,8 @@ On :func:`kvreg.testing.realistic.realistic_qkv` data (GQA 4, two KV groups),
 each configuration seals at ``t - ndec`` rows and decodes the last ``ndec``
 positions. Every method is compared with the float64 exact attention:
 
-* ``nystrom``: :class:`kvreg.nystrom.NystromState` (sinks + window + m landmarks);
+* ``nystrom``: :class:`kvreg.nystrom.NystromState` (sinks + window + ``m``
+  heavy rows kept exact + m landmarks; its far mass counts the heavy rows);
 * ``stream``: StreamingLLM, sinks + the most recent rows, far field dropped;
 * ``pool_m``: the far field as ``m`` segment super-rows (mean key with logit
   bias ``log(count)``, mean value), sinks + window exact;
@@ -98,9 +99,16 @@ def _decode_group(q, k, v, g, hpk, t0, t_end, w, m, sink, scale, born_mass=True,
     for p in range(t0, t_end):
         qp = q[p, hs].astype(np.float64)
         out = st.step_group(q[p, hs], k[p, g], v[p, g])
-        ne, de, nf, df = ny.nystrom_parts(q[p, hs], *st.exact_rows(), st.far, scale)
+        ke, ve = st.exact_rows()
+        ne, de, nf, df = ny.nystrom_parts(q[p, hs], ke, ve, st.far, scale)
+        # the far share counts the heavy rows (far rows kept exact): their
+        # terms under the parts' shared max μ = logsumexp(exact logits) − log de
+        se = scale * (qp @ ke.astype(np.float64).T)
+        mx = se.max(axis=1)
+        mu = mx + np.log(np.exp(se - mx[:, None]).sum(axis=1)) - np.log(de)
+        dh = np.exp(se[:, sink:sink + st.n_heavy] - mu[:, None]).sum(axis=1)
         res["nystrom"][0].append(out)
-        res["nystrom"][1].append(df / (de + df))
+        res["nystrom"][1].append((df + dh) / (de + df))
         win_lo = p + 1 - w
         exact_idx = np.r_[np.arange(sink), np.arange(win_lo, p + 1)]
         # stream at the same memory: sinks + (budget - sink) recent rows

@@ -70,8 +70,19 @@ def test_one_far_row_per_landmark_is_exact(rcond):
     # estimate is exact however strong the ridge
     m, w, sink = 8, 16, 4
     t = sink + w + m
-    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink, rcond=rcond)
+    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink, rcond=rcond, heavy=0)
     assert st.m_eff == m and st.far.rows == m
+    out = st.attend_group(q[:, t - 1])
+    assert rel(out, exact_out(q, k, v, scale, t - 1)).max() < 1e-5
+
+
+def test_heavy_rows_leave_one_far_row_and_the_read_stays_exact():
+    # far rows == m with the default heavy = m: m - 1 rows kept exact, one
+    # row left to the landmarks (at least one stays far), still exact
+    m, w, sink = 8, 16, 4
+    t = sink + w + m
+    st, q, k, v, scale = sealed(t, t, m=m, w=w, sink=sink)
+    assert st.n_heavy == m - 1 and st.far.rows == 1 and st.m_eff == 1
     out = st.attend_group(q[:, t - 1])
     assert rel(out, exact_out(q, k, v, scale, t - 1)).max() < 1e-5
 
@@ -227,14 +238,17 @@ def test_a_sealed_states_residuals_match_a_recomputation():
     # E = F̂ − Φ·W₀ after some absorbs, recomputed from the rows far now
     t0, rows, m, w, sink = 80, 110, 8, 16, 4
     st, q, k, v, scale = sealed(t0, rows, m=m, w=w, sink=sink)
+    assert st.n_heavy == m
     for p in range(t0, rows):
         st.step_group(q[:, p], k[p], v[p])
     far = st.far
-    kf, vf = k[sink:rows - w].astype(np.float64), v[sink:rows - w].astype(np.float64)
+    # the rows far now: the heavy rows are not among them
+    far_rows = np.setdiff1d(np.arange(sink, rows - w), st.heavy_pos)
+    kf, vf = k[far_rows].astype(np.float64), v[far_rows].astype(np.float64)
     f_z = np.exp(scale * far.probes @ kf.T - far.c[:, :, None])  # [hpk, p, n]
     stand_in = np.exp(scale * far.probes @ far.k_tilde.T - far.c[:, :, None])
-    b = ny.segment_bounds(t0 - w - sink, m)
-    b[-1] = rows - w - sink  # later rows joined the last segment
+    b = ny.segment_bounds(t0 - w - sink - m, m)
+    b[-1] = far_rows.size  # later rows joined the last segment
     assert np.array_equal(far.count, np.diff(b))
     assert np.allclose(far.z, f_z.sum(2) - stand_in @ far.count, rtol=1e-9, atol=1e-12)
     assert np.allclose(far.theta, f_z @ vf - stand_in @ far.vsum, rtol=1e-9, atol=1e-12)
@@ -308,7 +322,8 @@ def test_rows_leaving_the_window_join_the_far_field():
     st, q, k, v, _ = sealed(t0, t0 + steps)
     for p in range(t0, t0 + steps):
         st.step_group(q[:, p], k[p], v[p])
-    assert st.far.rows == t0 + steps - 4 - 16 and st.seen == t0 + steps
+    assert st.far.rows == t0 + steps - 4 - 16 - st.n_heavy and st.seen == t0 + steps
+    assert st.n_heavy == 8 and np.array_equal(st.heavy_rows()[0], k[st.heavy_pos])
 
 
 def test_memory_bytes_same_at_2k_and_8k_context():
@@ -351,8 +366,81 @@ def test_prompt_shorter_than_sink_fills_sinks_first():
 
 
 def test_m_eff_is_far_rows_when_fewer_than_m():
-    st, *_ = sealed(4 + 16 + 3, 23, m=8)
+    st, *_ = sealed(4 + 16 + 3, 23, m=8, heavy=0)
     assert st.m_eff == 3
+    st, *_ = sealed(4 + 16 + 3, 23, m=8)  # heavy = m: all but one far row kept exact
+    assert st.n_heavy == 2 and st.m_eff == 1
+
+
+# ── heavy rows
+
+def test_heavy_rows_are_the_far_rows_of_largest_recent_mass():
+    # a far key aligned with the recent queries takes their mass: it is kept
+    # exact, and left out of the landmarks, the pooling prior and the box
+    t0, m, w, sink = 200, 8, 16, 4
+    q, k, v, scale = group_data(t0)
+    k, v = k.copy(), v.copy()
+    needle = 57
+    k[needle] = 4.0 * q[:, t0 - 8:].mean(axis=(0, 1)) / scale / np.linalg.norm(q[:, t0 - 8:].mean(axis=(0, 1)))
+    v[needle] = 50.0
+    st = NystromState.new_group(m, w, sink, 2, scale=scale)
+    st.prefill_group(q, k, v)
+    assert needle in st.heavy_pos and st.heavy_pos.size == m
+    assert np.all(np.diff(st.heavy_pos) > 0) and st.heavy_pos.min() >= sink
+    assert st.heavy_pos.max() < t0 - w
+    hk, hv = st.heavy_rows()
+    assert np.array_equal(hk, k[st.heavy_pos]) and np.array_equal(hv, v[st.heavy_pos])
+    far_rows = np.setdiff1d(np.arange(sink, t0 - w), st.heavy_pos)
+    assert st.far.rows == far_rows.size and st.far.vhi.max() < 50.0
+    assert np.allclose(st.far.k_tilde, ny.segment_means(k[far_rows], m))
+    assert np.allclose(st.far.count.sum(), far_rows.size)
+    # the heavy rows are where the exact rows sit between the sinks and the window
+    ke, _ = st.exact_rows()
+    assert ke.shape[0] == sink + m + w and np.array_equal(ke[sink:sink + m], hk)
+
+
+def test_heavy_mass_is_the_causal_attention_mass(monkeypatch):
+    q, k, _, scale = group_data(90)
+    pos = np.array([5, 30, 70, 89])
+    want = np.zeros(90)
+    for p in pos:
+        for h in range(q.shape[0]):
+            s = scale * (q[h, p].astype(np.float64) @ k[:p + 1].astype(np.float64).T)
+            e = np.exp(s - s.max())
+            want[:p + 1] += e / e.sum()
+    got = ny.heavy_mass(q, k, pos, 4, 74, scale)
+    assert np.allclose(got, want[4:74], rtol=1e-4, atol=1e-7)
+    monkeypatch.setattr(ny, "HEAVY_BLOCK", 100)  # one query per block
+    assert np.allclose(ny.heavy_mass(q, k, pos, 4, 74, scale), got, rtol=1e-5, atol=1e-9)
+
+
+def test_heavy_sample_takes_recent_positions_and_optionally_evenly_spaced(monkeypatch):
+    q, *_ = group_data(100)
+    assert np.array_equal(ny.heavy_sample(q, 4, 6), np.arange(94, 100))
+    monkeypatch.setattr(ny, "HEAVY_EVEN", 2)
+    assert np.array_equal(ny.heavy_sample(q, 4, 6), [35, 67, 97, 98, 99])
+
+
+def test_heavy_rows_cost_their_exact_bytes():
+    q, k, v, scale = group_data(300, hd=16)
+    sizes = {}
+    for h in (0, 5, None):
+        st = NystromState.new_group(8, 32, 4, 2, scale=scale, heavy=h)
+        st.prefill_group(q, k, v)
+        sizes[h] = st.memory_bytes()
+    assert sizes[5] - sizes[0] == 5 * 2 * 16 * 4 and sizes[None] - sizes[0] == 8 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("heavy", [0, 3, None])
+def test_steps_with_heavy_rows_match_f64_oracle(heavy):
+    t0, rows = 110, 150
+    st, q, k, v, scale = sealed(t0, rows, heavy=heavy)
+    for p in range(t0, rows):
+        out = st.step_group(q[:, p], k[p], v[p])
+        if p % 13 == 0 or p == rows - 1:
+            ref = nystrom_oracle(q[:, :t0], k, v, t0, p, q[:, p], m=8, w=16, sink=4, scale=scale,
+                                 rcond=st.rcond, heavy=heavy)
+            assert rel(out, ref).max() < 1e-4, p
 
 
 def test_deferred_boundary_is_w_plus_sink_plus_m_plus_one():
@@ -374,6 +462,8 @@ def test_rect_aggregate_is_the_default():
 @pytest.mark.parametrize("kw, msg", [
     (dict(m=0), "m must be"), (dict(w=0), "w must be"), (dict(sink=-1), "sink must be"),
     (dict(hpk=0), "hpk must be"), (dict(scale=0.0), "scale must be"), (dict(rcond=0.0), "rcond"),
+    (dict(heavy=-1), "heavy must be"), (dict(heavy=True), "heavy must be"),
+    (dict(heavy=2.0), "heavy must be"),
 ])
 def test_bad_config_refused(kw, msg):
     args = dict(m=4, w=8, sink=2, hpk=1, scale=1.0) | kw

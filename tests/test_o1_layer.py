@@ -187,3 +187,19 @@ def test_default_scale_is_one_value_everywhere(hd):
     out, _ = c.attend(q, 0)
     assert np.array_equal(out, c.attend_layer(q[None], importance=False)[0])
     assert c.default_scale == np.float32(1) / np.sqrt(np.float32(hd))
+
+
+def test_heavy_rows_per_group_follow_o1_begin():
+    nh, nkv, hd, t = 4, 2, 16, 64
+    d = _prompt(t, nh, nkv, hd)
+    sizes = {}
+    for heavy in (None, 0, 2):
+        lay = layer(nkv, hd)
+        lay.o1_begin(4, 16, 2, heavy=heavy)
+        _collect(lay, d, t, nh)
+        assert lay.o1_seal(nh)
+        assert [g.n_heavy for g in lay._o1.groups] == [4 if heavy is None else heavy] * nkv
+        sizes[heavy] = lay.memory_bytes()
+    assert sizes[None] - sizes[0] == 2 * (sizes[2] - sizes[0]) == nkv * 4 * 2 * hd * 4
+    with pytest.raises(ShapeError, match="heavy"):
+        layer(nkv, hd).o1_begin(4, 16, 2, heavy=-1)

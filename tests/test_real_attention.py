@@ -146,20 +146,24 @@ def med(table, method, w, key="rel_median"):
 
 
 # Measured on the shipped capture (2048 rows, layers 1 and 3 of the 4-layer
-# model, all heads pooled), sinks 4, m 16, ndec 16 (README, "real data"):
+# model, all heads pooled), sinks 4, m 16, ndec 16 (README, "real data"),
+# Nyström with its default m heavy rows (far rows kept exact):
 #
-#   w 64:  median   nystrom 0.0035  sinkwin 0.0031  pool_m 0.0031  stream 0.0003
-#          far-heavy nystrom 1.21   sinkwin 1.16    pool_m 1.14    stream 0.71
-#   w 256: median   nystrom 0.0005  sinkwin 0.0003  pool_m 0.0003  stream 0.0002
-#          far-heavy nystrom 1.42   sinkwin 1.23    pool_m 1.23    stream 1.21
+#   w 64:  median   nystrom 0.0007  sinkwin 0.0031  pool_m 0.0031  stream 0.0003
+#          far-heavy nystrom 0.90   sinkwin 1.16    pool_m 1.14    stream 0.63  born 0.69
+#   w 256: median   nystrom 0.0001  sinkwin 0.0003  pool_m 0.0003  stream 0.0002
+#          far-heavy nystrom 1.00   sinkwin 1.23    pool_m 1.23    stream 1.16  born 0.25
 #
-# Real heads are bimodal: most reads put no mass beyond the window (every
-# method is exact there, hence the tiny medians), and the far-heavy reads
-# (exact far mass >= 0.2) have sharp attention on a few far rows, which
-# segment-mean landmarks (and pooling) do not represent. The issue's target
-# is MISSED on this data; the tests below pin what holds, and the target
-# itself is a strict xfail: if an improved estimator meets it, that test
-# fails on purpose -- update the README and turn it into a plain test.
+# (without the heavy rows: far-heavy nystrom 1.12 / 1.29, median 0.0031 /
+# 0.0003.) Real heads are bimodal: most reads put no mass beyond the window
+# (every method is exact there, hence the tiny medians), and the far-heavy
+# reads (exact far mass >= 0.2) have sharp attention on a few far rows, which
+# segment-mean landmarks (and pooling) do not represent; the heavy rows keep
+# the ones the recent prompt queries attend. The issue's target is met on
+# this table (m 16, ndec 16). The report's default (ndec 32) is closer at
+# m 16: far-heavy nystrom/pool_m 0.94x (w 64) and 0.91x (w 256) at 2048 rows,
+# 0.59x / 0.53x at m 64. Born eviction given the same bytes still does
+# better on the far-heavy reads.
 
 
 @pytest.mark.parametrize("w", [64, 256])
@@ -170,28 +174,34 @@ def test_nystrom_is_near_exact_on_local_reads(table, w):
 
 
 @pytest.mark.parametrize("w", [64, 256])
-def test_equal_memory_recency_beats_nystrom_on_real_data(table, w):
-    """Measured: StreamingLLM given the Nyström state's byte budget in recent
-    rows beats Nyström, in the median and on the far-heavy reads."""
-    assert med(table, "stream", w) < med(table, "nystrom", w)
-    assert med(table, "stream", w, "rel_med_far") < med(table, "nystrom", w, "rel_med_far")
+def test_equal_memory_born_beats_nystrom_on_far_heavy_reads(table, w):
+    """Measured: Born eviction given the Nyström state's byte budget in far
+    rows beats Nyström on the far-heavy reads (it keeps many more exact far
+    rows than the m heavy ones)."""
+    assert med(table, "born", w, "rel_med_far") < med(table, "nystrom", w, "rel_med_far")
 
 
 @pytest.mark.parametrize("w", [64, 256])
-def test_nystrom_misses_pooling_target_on_real_data(table, w):
-    """Measured: Nyström is NOT at most 0.9x segment-mean pooling (same w, m)
-    on real data, in the median nor on the far-heavy reads."""
-    assert med(table, "nystrom", w) > 0.9 * med(table, "pool_m", w)
-    assert med(table, "nystrom", w, "rel_med_far") > 0.9 * med(table, "pool_m", w, "rel_med_far")
+def test_nystrom_meets_pooling_target_on_real_data(table, w):
+    """Measured: with its heavy rows Nyström is at most 0.9x segment-mean
+    pooling (same w, m) on real data, in the median and on the far-heavy
+    reads."""
+    assert med(table, "nystrom", w) <= 0.9 * med(table, "pool_m", w)
+    assert med(table, "nystrom", w, "rel_med_far") <= 0.9 * med(table, "pool_m", w, "rel_med_far")
 
 
-@pytest.mark.xfail(strict=True, reason="measured: the O(1) seal misses the issue-6 target on "
-                   "real attention data (see the comment above and the README)")
 @pytest.mark.parametrize("w", [64, 256])
 def test_issue6_target_on_real_data(table, w):
     """The target: median below sinks + window alone AND at most 0.9x pooling."""
     ny_ = med(table, "nystrom", w)
     assert ny_ < med(table, "sinkwin", w) and ny_ <= 0.9 * med(table, "pool_m", w)
+
+
+@pytest.mark.parametrize("w", [64, 256])
+def test_heavy_rows_keep_the_planted_needle(table, w):
+    """The needle (a far key taking ~half of the last query's mass) is kept
+    as a heavy row: its far mass is (nearly) all there."""
+    assert pick(table, layer="all", window=w, m=16, method="nystrom")["needle_kept"] > 0.9
 
 
 def test_accuracy_table_data_switch(meta):

@@ -33,13 +33,38 @@ def _segments(lo: int, n: int, m: int) -> list[tuple[int, int]]:
     return [(lo + j * n // m, lo + (j + 1) * n // m) for j in range(m)]
 
 
+def _heavy_rows(q_trace, k, t0: int, lo: int, hi: int, n: int, n_queries: int,
+                scale: float) -> list[int]:
+    """The ``n`` rows of ``[lo, hi)`` of largest attention mass (ties: the
+    earlier row) under the queries of the last ``n_queries // hpk`` distinct
+    prompt positions, every head, each over rows ``[0, p]``, summed."""
+    if n <= 0:
+        return []
+    hpk = q_trace.shape[0]
+    mass = [0.0] * (hi - lo)
+    for p in _recent_positions(q_trace, t0, max(1, n_queries // hpk)):
+        for h in range(hpk):
+            lg = [scale * float(q_trace[h, p] @ k[r]) for r in range(p + 1)]
+            mx = max(lg)
+            e = [math.exp(x - mx) for x in lg]
+            den = sum(e)
+            for r in range(lo, min(hi, p + 1)):
+                mass[r - lo] += e[r] / den
+    order = sorted(range(hi - lo), key=lambda i: (-mass[i], i))
+    return sorted(lo + i for i in order[:n])
+
+
 def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink: int,
-                   scale: float, rcond: float = 1e-3) -> np.ndarray:
+                   scale: float, rcond: float = 1e-3, heavy: int | None = None,
+                   heavy_queries: int = 64) -> np.ndarray:
     """What a state sealed at ``t0`` rows answers for query ``q [hpk, hd]``
     once rows ``[0, pos]`` are in it (``pos >= t0 - 1``).
 
     ``q_trace [hpk, >= t0, hd]``: the group's prompt queries; ``k``, ``v
-    [> pos, hd]``: every row of the group. Returns ``out [hpk, hd]`` float64.
+    [> pos, hd]``: every row of the group; ``heavy``: far rows kept exact
+    (``None``: ``m``), picked by the mass of ``heavy_queries`` query vectors
+    (``kvreg.nystrom.HEAVY_QUERIES``; recent positions only, its default
+    ``HEAVY_EVEN = 0``). Returns ``out [hpk, hd]`` float64.
     """
     q_trace = np.asarray(q_trace, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -51,18 +76,25 @@ def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink:
     win_lo = max(n_sink, n - w)
     exact_rows = list(range(n_sink)) + list(range(win_lo, n))
 
-    # landmarks, from the rows that were far at the seal
+    # landmarks, from the rows that were far at the seal, but the heavy ones
     n0 = t0 - min(sink, t0) - min(w, t0 - min(sink, t0))
     has_far = n0 > 0
-    far_rows = list(range(n_sink, win_lo)) if has_far else []
+    heavy_rows = []
     if has_far:
-        me = min(m, n0)
+        h_n = min(m if heavy is None else heavy, n0 - 1)
+        heavy_rows = _heavy_rows(q_trace, k, t0, sink, sink + n0, h_n, heavy_queries, scale)
+        exact_rows = exact_rows[:n_sink] + heavy_rows + exact_rows[n_sink:]
+    far_rows = [p for p in range(n_sink, win_lo) if p not in heavy_rows] if has_far else []
+    if has_far:
+        seal_far = [p for p in range(sink, sink + n0) if p not in heavy_rows]
+        n1 = len(seal_far)
+        me = min(m, n1)
         n_seg = (me + 1) // 2
-        segs = _segments(sink, n0, me)
-        kt = np.array([sum(k[p] for p in range(a, b)) / (b - a) for a, b in segs])
+        segs = [seal_far[a - sink:b - sink] for a, b in _segments(sink, n1, me)]
+        kt = np.array([sum(k[p] for p in seg) / len(seg) for seg in segs])
         # pooled prior: segment sums at the seal, later rows join the last one
-        count = np.array([float(b - a) for a, b in segs])
-        vsum = np.array([sum(v[p] for p in range(a, b)) for a, b in segs])
+        count = np.array([float(len(seg)) for seg in segs])
+        vsum = np.array([sum(v[p] for p in seg) for seg in segs])
         for p in range(sink + n0, win_lo):
             count[-1] += 1.0
             vsum[-1] += v[p]
