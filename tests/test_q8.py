@@ -584,3 +584,12 @@ def test_exact_rows_hold_the_first_rows_as_appended_in_field_space():
         # what attention reads: the exact rows back at their scale, the rest int8
         np.testing.assert_allclose(st.attended_rows("k", h, 0, 3), x[:3, h], rtol=1e-6)
         assert np.abs(st.attended_rows("k", h, 3, 70) - x[3:, h]).max() > 1e-4
+
+
+def test_q8_report_runs_on_real_attention_data():
+    from kvreg.testing.real_attention import real_qkv
+    data = real_qkv(rows=256)
+    res = q8_accuracy(modes=("q8v",), data=data, queries=8)
+    f32, q8v = res
+    assert f32["rel_p99"] < 1e-5 and f32["n"] == 8 * data.q.shape[1]
+    assert 0 < q8v["rel_median"] < 0.02 and q8v["key_rel_err"] == 0.0

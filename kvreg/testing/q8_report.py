@@ -76,14 +76,18 @@ def _choices(x, kind):
 
 def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, exact_rows=Q8_EXACT_ROWS,
                 seed: int = 0, num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
-                queries: int = 32, backend="reference", baseline: bool = True, **data_options) -> list[dict]:
+                queries: int = 32, backend="reference", baseline: bool = True, data=None,
+                **data_options) -> list[dict]:
     """Measure each q8 mode against the f64 exact attention.
 
     ``field``: True (the real cache), False (no field) or an iterable of both,
     e.g. ``(True, False)``; ``exact_rows``: the layer's ``q8_exact_rows`` (0 is
     the seed's storage) or an iterable of counts. ``baseline`` adds the F32 row first;
     ``data_options`` go to :func:`realistic_qkv` (``outlier_channels``,
-    ``outlier_scale``, ``rope_theta``, ``sink_strength``). Returns one
+    ``outlier_scale``, ``rope_theta``, ``sink_strength``); ``data`` (a
+    :class:`~kvreg.testing.realistic.RealisticQKV`, e.g.
+    :func:`kvreg.testing.real_attention.real_qkv`) replaces the generator,
+    its shapes replacing ``rows`` and the head counts. Returns one
     dict per configuration: ``mode``, ``field`` (None for f32), ``exact_rows``,
     ``bytes_per_element``, ``rel_median``, ``rel_p99``, ``rel_max``,
     ``prob_l1_median``, ``prob_l1_p99``, ``n`` (the (position, head) pairs),
@@ -95,7 +99,11 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, exa
     fields = _choices(field, bool)
     exacts = _choices(exact_rows, int)
     queries = min(int(queries), int(rows))
-    data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed, **data_options)
+    if data is None:
+        data = realistic_qkv(rows, num_heads, num_kv_heads, head_dim, seed=seed, **data_options)
+    else:
+        (rows, num_heads, head_dim), num_kv_heads = data.q.shape, data.k.shape[1]
+        queries = min(queries, rows)
     hpk = num_heads // num_kv_heads
     first_pos = rows - queries
     qs = data.q[first_pos:]
@@ -161,14 +169,24 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", default="reference")
     ap.add_argument("--outlier-scale", type=float, default=10.0, help="realistic_qkv's outlier_scale")
+    ap.add_argument("--real", action="store_true",
+                    help="the captured real-model Q/K/V (kvreg.testing.real_attention) instead of the generator")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    res = q8_accuracy(rows=a.rows, field=(True, False), exact_rows=(Q8_EXACT_ROWS, 0), seed=a.seed, num_heads=a.heads, num_kv_heads=a.kv_heads,
-                      head_dim=a.head_dim, queries=a.queries, backend=a.backend,
-                      outlier_scale=a.outlier_scale)
-    print(f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed} "
-          f"outlier_scale={a.outlier_scale}, "
-          f"last {min(a.queries, a.rows)} positions, backend {a.backend} ({time.perf_counter() - t0:.1f} s)\n")
+    if a.real:
+        from kvreg.testing.real_attention import real_qkv
+
+        data = real_qkv()
+        what = f"real_qkv (all captured layers) rows={data.q.shape[0]} heads={data.q.shape[1]}/{data.k.shape[1]} " \
+               f"hd={data.q.shape[2]}"
+    else:
+        data = None
+        what = (f"realistic_qkv rows={a.rows} heads={a.heads}/{a.kv_heads} hd={a.head_dim} seed={a.seed} "
+                f"outlier_scale={a.outlier_scale}")
+    res = q8_accuracy(rows=a.rows, field=(True, False), exact_rows=(Q8_EXACT_ROWS, 0), seed=a.seed,
+                      num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.head_dim, queries=a.queries,
+                      backend=a.backend, data=data, outlier_scale=a.outlier_scale)
+    print(f"{what}, last {a.queries} positions, backend {a.backend} ({time.perf_counter() - t0:.1f} s)\n")
     print(format_q8_table(res))
 
 
