@@ -32,8 +32,8 @@ TOLERANCES: dict[str, tuple[float, float, str]] = {
     "bounded_attend": (1e-5, 1e-5,
                        "float32 RoPE (angles pos·theta^(-2i/d) rounded once) and a float32 softmax"),
     "nystrom_step": (1e-4, 1e-5,
-                     "float64 landmark algebra but float32 exact rows and output; the oracle's pinv and "
-                     "the kernel's differ by rounding on a well-conditioned landmark kernel"),
+                     "float64 landmark algebra but float32 exact rows and output; the oracle's ridge "
+                     "fit (normal equations) and the kernel's (SVD) differ by rounding"),
     "wire_cross_backend": (1e-4, 2e-5,
                            "state exported by one backend, imported by another: each answers within "
                            "attend_group's tolerance of the oracle, so of each other within twice it"),

@@ -127,10 +127,10 @@ class NumbaBackend(ReferenceBackend):
 
         return ring.bounded_attend(q32, ring_k, ring_v, int(seen), sk, sv, gws, rope, scale)
 
-    def nystrom_prefill(self, q_tilde, k_far, v_far, scale):
+    def nystrom_prefill(self, probes, k_far, v_far, scale):
         from . import nystrom
 
-        return nystrom.nystrom_prefill(q_tilde, k_far, v_far, scale)
+        return nystrom.nystrom_prefill(probes, k_far, v_far, scale)
 
     def nystrom_absorb(self, far, k_row, v_row, scale):
         from . import nystrom
