@@ -95,7 +95,9 @@ class LayerStorage:
         """How many of the next ``n`` rows of ``heads`` become exact rows (the
         most over those heads): a row is exact when it lands at index
         ``< exact_cap`` right after the head's exact rows."""
-        if not self.exact_cap or not heads.size:
+        # past the exact rows on every head (every append after the first
+        # few): one reduction, no fancy indexing, on the append hot path
+        if not self.exact_cap or not heads.size or int(self.lens.min()) >= self.exact_cap:
             return 0
         at = self.lens[heads]
         open_ = (self.xlen[heads] == at) & (at < self.exact_cap)

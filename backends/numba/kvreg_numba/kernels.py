@@ -524,6 +524,25 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
 
 
 @njit(nogil=True, cache=_CACHE)
+def partial_slabs(scratch, ntask, hpk, block, hd):
+    """The per-task partial softmax states of a decode, carved from
+    ``scratch``: ``E [ntask, hpk, block]`` (block-major scores: each block's
+    are one small contiguous slab; a row-major ``[head, span]`` array would
+    put a block's heads ``4·span`` bytes apart, often a power of two),
+    ``pm``/``pl [ntask, hpk]`` (block max and sum), ``pacc [ntask, hpk, hd]``
+    (block numerators), and the offset of the first float after them."""
+    o = 0
+    E = scratch[o:o + ntask * hpk * block].reshape((ntask, hpk, block))
+    o += ntask * hpk * block
+    pm = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    o += ntask * hpk
+    pl = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    o += ntask * hpk
+    pacc = scratch[o:o + ntask * hpk * hd].reshape((ntask, hpk, hd))
+    return E, pm, pl, pacc, o + ntask * hpk * hd
+
+
+@njit(nogil=True, cache=_CACHE)
 def task_grid(spans, block):
     """The parallel task list of a decode: one task per ``block`` rows of each
     group's ``spans[g]`` visible rows. Returns ``(tstart [ng + 1], tgroup
@@ -583,19 +602,9 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     tstart, tgroup = task_grid(spans, block)
     ntask = tstart[ngr]
 
-    # Scores live block-major, [task, head, row]: each block's scores are
-    # one small contiguous slab (a row-major [head, span] array would put
-    # the heads of a block 4*span bytes apart, often a power of two).
-    o = 0
-    E = scratch[o:o + ntask * hpk * block].reshape((ntask, hpk, block))
-    o += ntask * hpk * block
-    pm = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    o += ntask * hpk
-    pl = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    o += ntask * hpk
+    # the blocks' partial states, then the merge's per-block coefficients
+    E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
     coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    o += ntask * hpk
-    pacc = scratch[o:o + ntask * hpk * hd].reshape((ntask, hpk, hd))
     bk = SUB_ROWS if kquant else 0
     bv = 0  # q8 V rows are read as int8 by _accumulate_q8 (no dequant buffer)
 

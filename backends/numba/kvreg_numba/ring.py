@@ -17,15 +17,21 @@ in float64 and rounded once to float32 inside the kernel, so no per-step
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 from numba import njit, prange
 
 from kvreg.bounded import offset_table
 
 from . import config
-from .kernels import SUB_ROWS, _accumulate, _scores, fexp, task_grid
+from .kernels import (
+    SUB_ROWS,
+    _accumulate,
+    _scores,
+    _scratch,
+    fexp,
+    partial_slabs,
+    task_grid,
+)
 
 _FM = set(config.FASTMATH)
 _CACHE = config.CACHE
@@ -87,14 +93,7 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
     tstart, tgroup = task_grid(n_max - firsts, block)
     ntask = tstart[kvh]
 
-    o = 0
-    E = scratch[o:o + ntask * hpk * block].reshape((ntask, hpk, block))
-    o += ntask * hpk * block
-    pm = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    o += ntask * hpk
-    pl = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    o += ntask * hpk
-    pacc = scratch[o:o + ntask * hpk * hd].reshape((ntask, hpk, hd))
+    E, pm, pl, pacc, _ = partial_slabs(scratch, ntask, hpk, block, hd)
 
     for t in prange(ntask):
         g = tgroup[t]
@@ -173,17 +172,6 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
 # ---------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------
-
-_tls = threading.local()
-
-
-def _scratch(nfloats: int) -> np.ndarray:
-    buf = getattr(_tls, "buf", None)
-    if buf is None or buf.shape[0] < nfloats:
-        buf = np.empty(max(nfloats, 2 * (0 if buf is None else buf.shape[0]), 1024), np.float32)
-        _tls.buf = buf
-    return buf
-
 
 def bounded_attend(q32, ring_k, ring_v, seen, sk, sv, gws, rope, scale, *, block=None):
     """Validated arguments (``check_bounded_attend_args``'s results) ->
