@@ -75,12 +75,11 @@ class O1Mixin:
         here only the types. ``scale`` is the score scale (1/√hd by default);
         ``heavy`` the far rows each group keeps exact (None: ``m``).
         """
-        for name, x in (("m", m), ("w", w), ("sink", sink)):
-            V.nonneg_int(name, x)
+        m, w, sink = V.nonneg_int("m", m), V.nonneg_int("w", w), V.nonneg_int("sink", sink)
         if heavy is not None:
-            V.nonneg_int("heavy", heavy)
+            heavy = V.nonneg_int("heavy", heavy)
         if seal_at is not None:
-            V.nonneg_int("seal_at", seal_at)
+            seal_at = V.position("seal_at", seal_at)
         if not isinstance(rect, O1Rect):
             raise ShapeError(f"rect must be an O1Rect, got {rect!r}")
         if self.bounded is not None:
@@ -111,8 +110,7 @@ class O1Mixin:
 
     def o1_set_q_stride(self, stride: int) -> None:
         """One row in ``stride`` is in the query trace."""
-        V.nonneg_int("stride", stride)
-        self._o1_q_stride = max(int(stride), 1)
+        self._o1_q_stride = max(V.nonneg_int("stride", stride), 1)
 
     def o1_q_trace(self) -> np.ndarray | None:
         """The rotated-query trace collected so far (flat), while collecting."""
@@ -126,7 +124,7 @@ class O1Mixin:
         ``[rows][nkv][hd]``); the next seal builds the far field anew."""
         if not isinstance(self._o1, O1Sealed) or self._o1_params is None:
             return False
-        V.nonneg_int("rows", rows)
+        rows = V.position("rows", rows)
         stride = max(V.nonneg_int("stride", stride), 1)
         nkv, hd = self.num_kv_heads, self.head_dim
         kk = V.array("k", k, (rows, nkv, hd))
@@ -145,9 +143,9 @@ class O1Mixin:
     # ── boundary ──
 
     def o1_set_boundary(self, at: int) -> None:
-        V.nonneg_int("at", at)
+        at = V.position("at", at)
         if isinstance(self._o1, O1Collecting):
-            self._o1.seal_at = int(at)
+            self._o1.seal_at = at
 
     def o1_sealed(self) -> bool:
         return isinstance(self._o1, O1Sealed)
@@ -163,7 +161,7 @@ class O1Mixin:
         boundary. A batch that ends exactly on it crosses nothing (all its rows
         are exact; the caller seals after it); ``KVREG_O1_WALK_BOUNDARY=1``
         walks such a batch row by row as before."""
-        V.nonneg_int("count", count)
+        count = V.nonneg_int("count", count)
         target = self.o1_pending_boundary()
         if target is None:
             return False

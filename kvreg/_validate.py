@@ -4,6 +4,7 @@ a kvreg error that names what was expected. Kernels trust what passes here."""
 from __future__ import annotations
 
 import numbers
+import operator
 
 import numpy as np
 
@@ -43,22 +44,44 @@ def _lossless(name: str, x: np.ndarray, dtype) -> np.ndarray:
     return y
 
 
-def positive_int(name: str, x) -> int:
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x <= 0:
-        raise ShapeError(f"{name} must be a positive integer, got {x!r}")
-    return int(x)
+#: The largest integer argument: int64, what kernels and the wire's u64
+#: fields index with. A Python int past it is refused, never wrapped.
+MAX_INT = 2**63 - 1
+#: The largest absolute position: float64 holds every integer up to 2**53
+#: exactly, and RoPE angles are ``position * inv_freq`` in float64.
+MAX_POSITION = 2**53
 
 
-def nonneg_int(name: str, x) -> int:
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or x < 0:
-        raise ShapeError(f"{name} must be a non-negative integer, got {x!r}")
-    return int(x)
+def integer(name: str, x, lo: int = 0, hi: int = MAX_INT, what: str | None = None) -> int:
+    """``x`` as a Python int in ``[lo, hi]``: Python and numpy integers alike
+    (a ``np.uint8`` must not wrap at 256 inside the layer), bools refused.
+    Every integer argument goes through here, and methods compute with the
+    returned int only."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+        raise ShapeError(f"{name} must be {what or f'an integer in [{lo}, {hi}]'}, got {x!r}")
+    v = operator.index(x)
+    if not lo <= v <= hi:
+        bound = "2**53 (positions float64 resolves)" if hi == MAX_POSITION else (
+            "2**63-1" if hi == MAX_INT else str(hi))
+        raise ShapeError(f"{name} must be {what or f'an integer in [{lo}, {hi}]'} (at most {bound}), got {v}")
+    return v
+
+
+def positive_int(name: str, x, hi: int = MAX_INT) -> int:
+    return integer(name, x, 1, hi, "a positive integer")
+
+
+def nonneg_int(name: str, x, hi: int = MAX_INT) -> int:
+    return integer(name, x, 0, hi, "a non-negative integer")
+
+
+def position(name: str, x) -> int:
+    """An absolute position or depth: a non-negative integer <= 2**53."""
+    return integer(name, x, 0, MAX_POSITION, "a non-negative integer position")
 
 
 def index(name: str, x, n: int) -> int:
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool) or not 0 <= x < n:
-        raise ShapeError(f"{name} must be an integer in [0, {n}), got {x!r}")
-    return int(x)
+    return integer(name, x, 0, n - 1, f"an integer in [0, {n})")
 
 
 def rows(name: str, x, nkv: int, hd: int) -> np.ndarray:
@@ -104,10 +127,13 @@ def flat(name: str, x) -> np.ndarray:
 
 def gqa(num_heads, nkv: int) -> int:
     """``num_heads``: a positive multiple of ``nkv`` (the GQA fan-out divides)."""
-    if not isinstance(num_heads, numbers.Integral) or isinstance(num_heads, bool) or num_heads <= 0 \
-            or num_heads % nkv:
-        raise ShapeError(f"num_heads={num_heads!r} must be a positive multiple of num_kv_heads={nkv}")
-    return int(num_heads)
+    msg = f"num_heads={num_heads!r} must be a positive multiple of num_kv_heads={nkv}"
+    if isinstance(num_heads, (bool, np.bool_)) or not isinstance(num_heads, (numbers.Integral, np.integer)):
+        raise ShapeError(msg)
+    n = operator.index(num_heads)
+    if not 0 < n <= MAX_INT or n % nkv:
+        raise ShapeError(msg)
+    return n
 
 
 def float_vector(name: str, x) -> np.ndarray:
@@ -143,18 +169,43 @@ def sinks(x, nheads: int) -> np.ndarray | None:
 def imp_acc(x) -> np.ndarray | None:
     if x is None:
         return None
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1 or not x.flags.writeable:
-        raise ShapeError("imp_acc must be a writable 1-D float32 numpy array (it is accumulated in place)")
+    # Contiguous too: a compiled kernel writes through the raw buffer, so a
+    # strided view would get its sums at the wrong addresses.
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 1 or not x.flags.writeable \
+            or not x.flags.c_contiguous:
+        raise ShapeError("imp_acc must be a writable, contiguous 1-D float32 numpy array "
+                         "(it is accumulated in place)")
     return x
 
 
+def _real(name: str, x, want: str) -> float:
+    """A real number (Python, numpy, Fraction, Decimal...) as a float; bools
+    and values no float holds are refused."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.floating, np.integer)):
+        raise ShapeError(f"{name} must be {want}, got {x!r}")
+    try:
+        return float(x)
+    except (OverflowError, ValueError, TypeError):
+        raise ShapeError(f"{name} must be {want}, got {x!r}") from None
+
+
 def scale(x) -> np.float32:
-    if not isinstance(x, numbers.Real) or not np.isfinite(x) or x <= 0:
-        raise ShapeError(f"scale must be a finite positive number, got {x!r}")
-    return np.float32(x)
+    """A positive score scale, finite in float32: the kernels multiply in
+    float32, so 1e39 would become inf (and every score NaN), 1e-50 zero."""
+    want = "a positive number, finite and non-zero in float32"
+    f = _real("scale", x, want)
+    with np.errstate(over="ignore"):
+        s = np.float32(f)
+    if not np.isfinite(s) or not s > 0:
+        raise ShapeError(f"scale must be {want}, got {x!r}")
+    return s
 
 
 def softcap(x) -> float:
-    if not isinstance(x, numbers.Real) or not np.isfinite(x) or x < 0:
-        raise ShapeError(f"softcap must be a finite number >= 0 (0 = off), got {x!r}")
-    return float(x)
+    want = "a number >= 0 finite in float32 (0 = off)"
+    f = _real("softcap", x, want)
+    with np.errstate(over="ignore"):
+        ok = np.isfinite(np.float32(f))
+    if not ok or not f >= 0:
+        raise ShapeError(f"softcap must be {want}, got {x!r}")
+    return f

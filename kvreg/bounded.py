@@ -40,9 +40,18 @@ __all__ = [
 ]
 
 
-def _count(value, name: str, *, minimum: int) -> int:
-    """An integer argument >= ``minimum`` (bools refused: ``True`` is no count)."""
-    if isinstance(value, bool):
+#: Ring rows are indexed with int32 by the compiled kernels (and the wire's
+#: window is a u32): a larger ring is refused, not wrapped.
+MAX_WINDOW = 2**31 - 1
+#: Ring positions are RoPE angles ``position * inv_freq`` in float64, exact
+#: only up to 2**53 (the layer's ``MAX_POSITION``).
+MAX_SEEN = 2**53
+
+
+def _count(value, name: str, *, minimum: int, maximum: int = 2**63 - 1) -> int:
+    """An integer argument in ``[minimum, maximum]`` as a Python int (numpy
+    integers too; bools refused: ``True`` is no count)."""
+    if isinstance(value, (bool, np.bool_)):
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
     try:
         n = operator.index(value)
@@ -50,6 +59,8 @@ def _count(value, name: str, *, minimum: int) -> int:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if n < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, got {n}")
+    if n > maximum:
+        raise ConfigError(f"{name} must be an integer <= {maximum}, got {n}")
     return n
 
 
@@ -253,16 +264,22 @@ class BoundedState:
     def __init__(self, num_kv_heads: int, head_dim: int, window: int, *, undo_depth: int = 8):
         self.num_kv_heads = _count(num_kv_heads, "num_kv_heads", minimum=1)
         self.head_dim = _count(head_dim, "head_dim", minimum=1)
-        self.window = _count(window, "window", minimum=1)
-        self.undo_depth = _count(undo_depth, "undo_depth", minimum=0)
+        self.window = _count(window, "window", minimum=1, maximum=MAX_WINDOW)
+        self.undo_depth = _count(undo_depth, "undo_depth", minimum=0, maximum=MAX_WINDOW)
         shape = (self.num_kv_heads, self.window, self.head_dim)
-        self.ring_k = np.zeros(shape, np.float32)
-        self.ring_v = np.zeros(shape, np.float32)
+        try:
+            self.ring_k = np.zeros(shape, np.float32)
+            self.ring_v = np.zeros(shape, np.float32)
+        except MemoryError:
+            raise ConfigError(f"bounded ring {shape} float32 (K and V) does not fit in memory") from None
         # Undo entry of insert i lives at i % undo_depth; the slot it
         # overwrote is i % window, so it is implied and not stored.
         ushape = (self.undo_depth, self.num_kv_heads, self.head_dim)
-        self._undo_k = np.zeros(ushape, np.float32)
-        self._undo_v = np.zeros(ushape, np.float32)
+        try:
+            self._undo_k = np.zeros(ushape, np.float32)
+            self._undo_v = np.zeros(ushape, np.float32)
+        except MemoryError:
+            raise ConfigError(f"bounded undo buffer {ushape} float32 does not fit in memory") from None
         self._undo_len = 0
         self._seen = 0
 
@@ -291,6 +308,9 @@ class BoundedState:
         shape = (self.num_kv_heads, self.head_dim)
         k32 = _f32_rows(k, shape, "BoundedState.insert k")
         v32 = _f32_rows(v, shape, "BoundedState.insert v")
+        if self._seen >= MAX_SEEN:
+            raise StateError(f"BoundedState.insert: the ring is at position 2**53, past which "
+                             "float64 RoPE angles are not exact")
         slot = self._seen % self.window
         if self.undo_depth:
             u = self._seen % self.undo_depth
@@ -359,7 +379,7 @@ class BoundedState:
         ``ring_k``/``ring_v`` are ``[kvh, window, hd]`` or flat, in slot order
         (token ``t`` at slot ``t % window``), exactly as ``export`` wrote them.
         """
-        seen = _count(seen, "BoundedState.load seen", minimum=0)
+        seen = _count(seen, "BoundedState.load seen", minimum=0, maximum=MAX_SEEN)
         shape = self.ring_k.shape
         k32 = _f32_rows(ring_k, shape, "BoundedState.load ring_k")
         v32 = _f32_rows(ring_v, shape, "BoundedState.load ring_v")
@@ -426,7 +446,7 @@ def check_bounded_attend_args(
             f"bounded attend: ring_k {ring_k.shape} and ring_v {ring_v.shape} differ"
         )
     kvh, window, hd = ring_k.shape
-    seen = _count(seen, "bounded attend seen", minimum=0)
+    seen = _count(seen, "bounded attend seen", minimum=0, maximum=MAX_SEEN)
     if seen == 0:
         raise StateError("bounded attend: the ring is empty (insert the token before attending it)")
     num_heads = _count(num_heads, "bounded attend num_heads", minimum=1)
@@ -438,8 +458,10 @@ def check_bounded_attend_args(
         raise ConfigError(f"bounded attend: expected a BoundedRope, got {type(rope).__name__}")
     rope.dims(hd)
     number = isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool)
-    if not number or not np.isfinite(scale):
-        raise ConfigError(f"bounded attend: scale must be a finite number, got {scale!r}")
+    with np.errstate(over="ignore"):  # the kernels scale in float32: 1e39 would be inf
+        finite32 = number and np.isfinite(scale) and np.isfinite(np.float32(scale))
+    if not finite32:
+        raise ConfigError(f"bounded attend: scale must be a number finite in float32, got {scale!r}")
     try:
         gws = tuple(group_windows)
     except TypeError:

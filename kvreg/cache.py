@@ -41,8 +41,8 @@ class KvCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  policy=None, *, mode: KvMode | str | None = None, backend=None,
                  q8_exact_rows: int = Q8_EXACT_ROWS):
-        V.positive_int("num_layers", num_layers)
-        V.positive_int("max_seq_len", max_seq_len)
+        num_layers = V.positive_int("num_layers", num_layers)
+        max_seq_len = V.positive_int("max_seq_len", max_seq_len)
         self.policy = Born(4) if policy is None else policy
         self._check_policy(self.policy)
         self.max_seq_len = int(max_seq_len)
@@ -99,7 +99,7 @@ class KvCache:
 
     def evict(self, keep_last: int) -> None:
         """Evict every layer down to ``keep_last`` rows according to the policy."""
-        V.nonneg_int("keep_last", keep_last)
+        keep_last = V.nonneg_int("keep_last", keep_last)
         self._check_policy(self.policy)
         if isinstance(self.policy, Recent):
             for layer in self.layers:

@@ -22,6 +22,12 @@ from .storage import LayerStorage, next_generation
 from .wire import WireKind
 
 
+#: The largest |value| a q8 layer stores: the 2f field is a float32 RMS over
+#: the first KV_COL_WARMUP (64) rows, Σ x² of which stays finite (64·1e36 <
+#: 3.4e38), and a row divided by the smallest field (1e-6) stays finite too.
+Q8_ABS_MAX = 1e18
+
+
 def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
     """The 2f field of each row to quantize (``n`` rows per head, head-major),
     1 for a head whose field is not frozen; None before any freeze."""
@@ -53,12 +59,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode | str | None = None,
                  backend=None, *, layer: int = 0, q8_exact_rows: int = Q8_EXACT_ROWS):
-        V.positive_int("num_kv_heads", num_kv_heads)
-        V.positive_int("head_dim", head_dim)
-        V.nonneg_int("q8_exact_rows", q8_exact_rows)
-        self.num_kv_heads = int(num_kv_heads)
-        self.head_dim = int(head_dim)
-        self.q8_exact_rows = int(q8_exact_rows)
+        self.num_kv_heads = V.positive_int("num_kv_heads", num_kv_heads)
+        self.head_dim = V.positive_int("head_dim", head_dim)
+        self.q8_exact_rows = V.nonneg_int("q8_exact_rows", q8_exact_rows)
+        layer = V.integer("layer", layer, 0, 0xFFFF_FFFF)   # the wire header's u32
         mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self.backend = get_backend(backend)
         self._st = self._new_storage(mode)
@@ -73,7 +77,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._kv_amax_rows = 0
         # The wire record this layer exchanges (v2 header fields).
         self.wire_kind = WireKind.Full
-        self.wire_layer = int(layer)
+        self.wire_layer = layer
         self.wire_identity = 0
         self.bounded = None   # the bounded ring, once install_bounded ran
         self._init_o1()
@@ -109,8 +113,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     @seq_len.setter
     def seq_len(self, value: int) -> None:
         # The seed's record-only layers (linear, bounded) set the depth directly.
-        V.nonneg_int("seq_len", value)
-        self._seq_len = int(value)
+        self._seq_len = V.position("seq_len", value)
 
     @property
     def base(self) -> int:
@@ -176,8 +179,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def head_len(self, kv_head: int) -> int:
         """Rows actually stored for a head (0 for a dead head)."""
-        V.index("kv_head", kv_head, self.num_kv_heads)
-        return int(self._st.lens[kv_head])
+        return int(self._st.lens[V.index("kv_head", kv_head, self.num_kv_heads)])
 
     def head_keys(self, kv_head: int) -> np.ndarray:
         """f32 keys of a head, ``[rows, hd]`` view (empty when K is quantized).
@@ -191,7 +193,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return self._head_view(self._st.v, kv_head)
 
     def _head_view(self, block, kv_head):
-        V.index("kv_head", kv_head, self.num_kv_heads)
+        kv_head = V.index("kv_head", kv_head, self.num_kv_heads)
         if block is None:
             return np.zeros((0, self.head_dim), dtype=np.float32)
         v = block[kv_head, : self._st.lens[kv_head]].view()
@@ -224,7 +226,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         ``seq_len >= 64`` and no field yet (the seed's rule: only rows that
         survived a rollback are in it). A q8 layer refuses non-finite rows:
         one inf would make its group's scale inf and every dequantized value
-        of the row NaN, poisoning the head silently.
+        of the row NaN, poisoning the head silently; and rows with |x| > 1e18
+        (``Q8_ABS_MAX``), whose squares would make the field inf.
         """
         nkv, hd = self.num_kv_heads, self.head_dim
         k = V.rows("k", k, nkv, hd)
@@ -255,8 +258,14 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         heads = np.flatnonzero(alive)
         if mode.quantized:
             for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
-                if q and not np.isfinite(x[:, heads]).all():
-                    raise ShapeError(f"{name} has inf/NaN values: a q8 layer stores finite rows only")
+                # One comparison refuses NaN (it compares false) as well as inf
+                # and values so large that the field's float32 RMS would overflow.
+                if q and not (np.abs(x[:, heads]) <= Q8_ABS_MAX).all():
+                    what = "inf/NaN values" if not np.isfinite(x[:, heads]).all() else \
+                        f"values beyond ±{Q8_ABS_MAX:.0e}"
+                    raise ShapeError(f"{name} has {what}: a q8 layer stores finite rows with |x| <= "
+                                     f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
+                                     f"{KV_COL_WARMUP} rows, would overflow to inf)")
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
@@ -337,7 +346,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
         Returns ``(out [hd], probs [rows])``; bit-for-bit the grouped kernel.
         """
-        V.index("kv_head", kv_head, self.num_kv_heads)
+        kv_head = V.index("kv_head", kv_head, self.num_kv_heads)
         qv = V.rows("q", q, 1, self.head_dim)
         n = int(self._st.lens[kv_head])
         probs = np.zeros(n, dtype=np.float32)
@@ -354,9 +363,14 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         of this group) join the max and the denominator; ``imp_acc`` (float32,
         writable) accumulates ``Σ_h probs``. Returns ``[nheads, hd]``.
         """
-        V.index("kv_head", kv_head, self.num_kv_heads)
+        kv_head = V.index("kv_head", kv_head, self.num_kv_heads)
         q = V.heads("q_group", q_group, self.head_dim)
-        n = int(self._st.lens[kv_head]) if upto is None else min(int(self._st.lens[kv_head]), V.nonneg_int("upto", upto))
+        stored = int(self._st.lens[kv_head])
+        if upto is not None:
+            # Past the stored rows `upto` means them all: clamped here, so no
+            # kernel sees a count its integer type cannot hold.
+            upto = min(V.nonneg_int("upto", upto), stored)
+        n = stored if upto is None else upto
         first = V.nonneg_int("first", first)
         if n and first >= n:
             raise ShapeError(f"first={first} must be < the {n} visible rows of kv_head {kv_head}")
@@ -385,7 +399,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if nh % self.num_kv_heads:
             raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         if window is not None:
-            V.positive_int("window", window)
+            # A window past every stored row reads them all, as None does:
+            # clamped so no kernel sees a count its integer type cannot hold.
+            window = min(V.positive_int("window", window), max(int(self._st.lens.max(initial=0)), 1))
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if importance else None
@@ -403,17 +419,18 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         is dequantized once per call (the field and scales applied) and the
         same kernel runs on it. Returns ``[b, num_heads, hd]``.
         """
-        V.positive_int("b", b)
-        V.nonneg_int("s0", s0)
-        V.positive_int("heads_per_kv", heads_per_kv)
-        nh = self.num_kv_heads * heads_per_kv
-        q = V.array("q_all", q_all, (b, nh, self.head_dim))
-        if window is not None:
-            V.positive_int("window", window)
+        b = V.positive_int("b", b)
+        s0 = V.nonneg_int("s0", s0)
+        heads_per_kv = V.positive_int("heads_per_kv", heads_per_kv)
         n = s0 + b
         lens = self._st.lens
         if not (lens == n).all():
             raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {lens.tolist()}")
+        nh = self.num_kv_heads * heads_per_kv
+        q = V.array("q_all", q_all, (b, nh, self.head_dim))
+        if window is not None:
+            # A window past every row reads them all: clamped (as attend_layer).
+            window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
         if self.mode is KvMode.F32 or getattr(self.backend, "native_q8_chunk", False):
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
@@ -447,9 +464,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def truncate_last(self, n_drop: int) -> None:
         """Roll back the last ``n_drop`` positions (speculative-decode reject)."""
-        V.nonneg_int("n_drop", n_drop)
+        n_drop = V.nonneg_int("n_drop", n_drop)
         self.discard_linear_scratch()
-        d = min(int(n_drop), self._seq_len)
+        d = min(n_drop, self._seq_len)
         if self.bounded is not None:
             rolled = self.bounded.rollback(d)
             if rolled < d:
@@ -481,11 +498,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         and on a q8 layer whose field is not frozen yet (the freeze reads
         every stored row). Returns the rows dropped.
         """
-        V.nonneg_int("w", w)
-        V.nonneg_int("slack", slack)
-        V.nonneg_int("align", align)
+        w = V.nonneg_int("w", w)
+        slack = V.nonneg_int("slack", slack)
+        align = V.nonneg_int("align", align)
         if anchor is not None:
-            V.nonneg_int("anchor", anchor)
+            anchor = V.position("anchor", anchor)
         if self._o1 is not None or self.bounded is not None or w == 0:
             return 0
         self._tail = w
@@ -517,7 +534,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def evict(self, keep_last: int) -> None:
         """Drop the oldest positions, keeping the last ``keep_last``."""
-        V.nonneg_int("keep_last", keep_last)
+        keep_last = V.nonneg_int("keep_last", keep_last)
         if self._evict_bypassed() or self._seq_len <= keep_last:
             return
         drop = self._seq_len - keep_last
@@ -530,8 +547,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         latest, and fill the rest of ``keep_last`` with the rows of highest
         accumulated attention mass (ties: the earlier row; NaN mass ranks last).
         """
-        for name, x in (("keep_last", keep_last), ("sink", sink), ("recent", recent)):
-            V.nonneg_int(name, x)
+        keep_last = V.nonneg_int("keep_last", keep_last)
+        sink = V.nonneg_int("sink", sink)
+        recent = V.nonneg_int("recent", recent)
         if self._evict_bypassed():
             return
         imp = self._st.imp

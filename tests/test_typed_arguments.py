@@ -1,0 +1,215 @@
+"""Every integer argument takes Python and numpy integers with identical
+results; out-of-range values and numbers float32 cannot hold are refused
+with a kvreg error before anything changes (issue 18, items 2 and 8)."""
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from kvreg import KvCache, KvMode, KvregError, LayerKvCache, ShapeError
+from kvreg.bounded import BoundedState
+
+INT_TYPES = [int, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+
+
+def busy(mode=KvMode.F32, rows=20, nkv=2, hd=4):
+    c = LayerKvCache(nkv, hd, mode, "reference")
+    rng = np.random.default_rng(3)
+    for i in range(rows):
+        c.append(rng.standard_normal(nkv * hd).astype(np.float32), rng.standard_normal(nkv * hd).astype(np.float32))
+    c.accumulate_imp(rng.random(rows).astype(np.float32))
+    return c
+
+
+def snapshot(c):
+    st = c.storage
+    return (type(c.seq_len), c.seq_len, type(c.base), c.base, c.pos_len, c.tail_window, st.lens.tolist(),
+            c.imp.tobytes(), [c.head_keys(h).tobytes() for h in range(c.num_kv_heads)],
+            [c.head_values(h).tobytes() for h in range(c.num_kv_heads)], c.kv_abs_max())
+
+
+Q = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
+
+# (name, call(layer, I) -> result); I converts a Python int to the type under test.
+CALLS = [
+    ("trim_window", lambda c, I: c.trim_window(I(8), I(30), I(1))),
+    ("trim_window drains", lambda c, I: c.trim_window(I(4), I(2), I(3))),
+    ("trim_window_anchored", lambda c, I: c.trim_window_anchored(I(4), I(1), I(2), I(12))),
+    ("evict", lambda c, I: c.evict(I(5))),
+    ("evict_born", lambda c, I: c.evict_born(I(9), I(2), I(3))),
+    ("truncate_last", lambda c, I: c.truncate_last(I(3))),
+    ("attend", lambda c, I: c.attend(Q[0], I(1))),
+    ("attend_group first upto", lambda c, I: c.attend_group(Q, I(1), scale=0.5, first=I(2), upto=I(11))),
+    ("attend_group upto past rows", lambda c, I: c.attend_group(Q, I(0), scale=0.5, upto=I(200))),
+    ("attend_layer window", lambda c, I: c.attend_layer(np.tile(Q, (2, 1)), window=I(7))),
+    ("attend_layer window past rows", lambda c, I: c.attend_layer(np.tile(Q, (2, 1)), window=I(250))),
+    ("head_len", lambda c, I: c.head_len(I(1))),
+    ("head_keys", lambda c, I: c.head_keys(I(1)).tobytes()),
+    ("seq_len setter", lambda c, I: setattr(c, "seq_len", I(25))),
+    ("o1_boundary_crossed_by", lambda c, I: (c.o1_begin_with_boundary(I(4), I(2), I(1), seal_at=I(22)),
+                                             c.o1_boundary_crossed_by(I(3)), c.o1_pending_boundary())),
+]
+
+
+def _fits(t, values=(250, 200, 30, 25, 22, 12, 11, 9, 8, 7, 5, 4, 3, 2, 1)):
+    return t is int or max(values) <= np.iinfo(t).max
+
+
+@pytest.mark.parametrize("itype", INT_TYPES, ids=[t.__name__ for t in INT_TYPES])
+@pytest.mark.parametrize("name,call", CALLS, ids=[c[0] for c in CALLS])
+def test_numpy_integers_give_the_python_int_result(name, call, itype):
+    if not _fits(itype):
+        pytest.skip("value does not fit the type")
+    want_layer, got_layer = busy(), busy()
+    want = call(want_layer, int)
+    got = call(got_layer, itype)
+    assert snapshot(got_layer) == snapshot(want_layer)
+    if isinstance(want, np.ndarray):
+        assert got.tobytes() == want.tobytes()
+    elif isinstance(want, tuple) and want and isinstance(want[0], np.ndarray):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want))
+    else:
+        assert got == want and type(got) is type(want)
+
+
+def test_uint8_trim_does_not_wrap_the_base():
+    # The issue's reproduction: the window arithmetic wrapped at 256.
+    c = busy()
+    assert c.trim_window(np.uint8(8), np.uint8(30), np.uint8(1)) == 0
+    assert (c.seq_len, c.base) == (20, 0) and type(c.base) is int
+
+
+def test_numpy_seq_len_is_a_python_int():
+    c = LayerKvCache(1, 4, KvMode.F32, "reference")
+    c.seq_len = np.uint8(255)
+    c.seq_len += 1
+    assert c.seq_len == 256 and type(c.seq_len) is int
+
+
+def test_cache_evict_takes_numpy_integers():
+    a = KvCache(2, 2, 4, 64, mode="f32", backend="reference")
+    b = KvCache(2, 2, 4, 64, mode="f32", backend="reference")
+    for cache in (a, b):
+        for layer in cache.layers:
+            for i in range(12):
+                layer.append(np.full(8, i, np.float32), np.full(8, -i, np.float32))
+    a.evict(5)
+    b.evict(np.uint64(5))
+    assert [snapshot(x) for x in a.layers] == [snapshot(x) for x in b.layers]
+
+
+BIG = [2**63, 2**64 - 1, np.uint64(2**64 - 1), 2**80]
+OUT_OF_RANGE = [
+    ("evict", lambda c, x: c.evict(x)),
+    ("evict_born", lambda c, x: c.evict_born(x, 1, 1)),
+    ("truncate_last", lambda c, x: c.truncate_last(x)),
+    ("trim_window w", lambda c, x: c.trim_window(x, 0, 1)),
+    ("trim_window slack", lambda c, x: c.trim_window(4, x, 1)),
+    ("trim_window align", lambda c, x: c.trim_window(4, 0, x)),
+    ("trim anchor", lambda c, x: c.trim_window_anchored(4, 0, 1, x)),
+    ("attend_group upto", lambda c, x: c.attend_group(Q, 0, scale=0.5, upto=x)),
+    ("attend_group first", lambda c, x: c.attend_group(Q, 0, scale=0.5, first=x)),
+    ("attend_layer window", lambda c, x: c.attend_layer(np.tile(Q, (2, 1)), window=x)),
+    ("attend_chunk s0", lambda c, x: c.attend_chunk(np.ones((1, 2, 4), np.float32), 1, x, 1)),
+    ("attend_chunk b", lambda c, x: c.attend_chunk(np.ones((1, 2, 4), np.float32), x, 0, 1)),
+    ("attend_chunk window", lambda c, x: c.attend_chunk(np.ones((1, 2, 4), np.float32), 1, 19, 1, window=x)),
+    ("head_len", lambda c, x: c.head_len(x)),
+    ("seq_len", lambda c, x: setattr(c, "seq_len", x)),
+    ("o1_begin seal_at", lambda c, x: c.o1_begin_with_boundary(4, 2, 1, seal_at=x)),
+    ("install_bounded", lambda c, x: LayerKvCache(2, 4, KvMode.F32, "reference").install_bounded(x)),
+]
+
+
+@pytest.mark.parametrize("x", BIG + [-1, np.int64(-1)], ids=lambda x: f"{type(x).__name__}({x})")
+@pytest.mark.parametrize("name,call", OUT_OF_RANGE, ids=[c[0] for c in OUT_OF_RANGE])
+def test_out_of_range_integers_are_refused_before_any_change(name, call, x):
+    c = busy()
+    before = snapshot(c)
+    with pytest.raises(KvregError):
+        call(c, x)
+    assert snapshot(c) == before
+
+
+@pytest.mark.parametrize("value", [2**53 + 1, 2**62])
+def test_positions_past_float64_resolution_are_refused(value):
+    c = busy()
+    with pytest.raises(ShapeError, match="2\\*\\*53"):
+        c.seq_len = value
+    with pytest.raises(ShapeError, match="2\\*\\*53"):
+        c.trim_window_anchored(4, 0, 1, value)
+    with pytest.raises(KvregError):
+        BoundedState(1, 4, 2).load(np.zeros((1, 2, 4), np.float32), np.zeros((1, 2, 4), np.float32), value)
+
+
+def test_install_bounded_past_int32_rows_is_a_kvreg_error():
+    c = LayerKvCache(2, 4, KvMode.F32, "reference")
+    with pytest.raises(KvregError, match="2147483647"):
+        c.install_bounded(2**31)
+    assert c.bounded is None
+
+
+def test_bools_are_not_integers():
+    c = busy()
+    for call in (lambda: c.evict(np.bool_(True)), lambda: c.head_len(True), lambda: c.trim_window(np.True_, 0, 1)):
+        with pytest.raises(ShapeError):
+            call()
+
+
+# ── real numbers ──
+
+def test_fraction_scale_equals_the_float_scale():
+    c = busy()
+    want = c.attend_group(Q, 1, scale=0.5)
+    assert c.attend_group(Q, 1, scale=Fraction(1, 2)).tobytes() == want.tobytes()
+    assert c.attend_group(Q, 1, scale=0.5, softcap=Fraction(30)).tobytes() == \
+        c.attend_group(Q, 1, scale=0.5, softcap=30.0).tobytes()
+
+
+BAD_REALS = [1e39, -1e39, 1e-50, float("inf"), float("nan"), 0, -0.5, 10**400, Fraction(10**400), True,
+             "0.5", complex(1, 0)]
+
+
+@pytest.mark.parametrize("value", BAD_REALS, ids=repr)
+def test_scales_float32_cannot_hold_are_refused(value):
+    c = busy()
+    before = (snapshot(c), c.imp.tobytes())
+    for call in (lambda: c.attend_group(Q, 0, scale=value), lambda: c.attend_layer(np.tile(Q, (2, 1)), scale=value),
+                 lambda: c.attend_chunk(np.ones((1, 2, 4), np.float32), 1, 19, 1, scale=value),
+                 lambda: c.o1_begin(4, 2, 1, scale=value)):
+        with pytest.raises(ShapeError, match="scale"):
+            call()
+    assert (snapshot(c), c.imp.tobytes()) == before
+
+
+@pytest.mark.parametrize("value", [1e39, float("inf"), -1.0, 10**400, "1"], ids=repr)
+def test_softcaps_float32_cannot_hold_are_refused(value):
+    c = busy()
+    with pytest.raises(ShapeError, match="softcap"):
+        c.attend_group(Q, 0, scale=0.5, softcap=value)
+
+
+def test_non_contiguous_imp_acc_is_refused():
+    c = busy()
+    acc = np.zeros(40, np.float32)[::2]
+    with pytest.raises(ShapeError, match="contiguous"):
+        c.attend_group(Q, 0, scale=0.5, imp_acc=acc)
+    assert not acc.any()
+
+
+@pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8K, KvMode.Q8V])
+@pytest.mark.parametrize("value", [3e19, 2e18, -1e30])
+def test_q8_rows_whose_field_would_overflow_are_refused(mode, value):
+    c = busy(mode, rows=10)
+    before = snapshot(c)
+    row = np.full(8, 1.0, np.float32)
+    row[3] = value
+    with pytest.raises(ShapeError, match="1e\\+18"):
+        c.append(row, row)
+    assert snapshot(c) == before
+    # 1e18 itself is storable, and the frozen field stays finite
+    row[3] = 1e18
+    for _ in range(70):
+        c.append(row, row)
+    st = c.storage
+    assert st.field_frozen() and np.isfinite(st.kcol).all() and np.isfinite(st.vcol).all()
