@@ -28,6 +28,15 @@ class WireMixin:
             b = self.bounded
             if b is None:
                 raise WireError("kv export: bounded wire kind without an installed ring")
+            if f16:
+                # A ring stores finite rows only, so the importer refuses an
+                # inf: refuse the f16 overflow here rather than ship it.
+                with np.errstate(over="ignore"):
+                    bad = [n for n, r in (("K", b.ring_k), ("V", b.ring_v))
+                           if not np.isfinite(r.astype(np.float16)).all()]
+                if bad:
+                    raise WireError(f"kv export: the bounded ring's {' and '.join(bad)} hold values above f16's "
+                                    "65504, which would travel as inf (a ring peer refuses inf): export f32")
             bounded = BoundedRecord(b.window, b.len(), b.head(), b.ring_k, b.ring_v)
         k = [st.k[h, : st.lens[h]] if st.k is not None else np.zeros((0, self.head_dim), np.float32)
              for h in range(self.num_kv_heads)]
@@ -48,7 +57,9 @@ class WireMixin:
         checked first; a refused import raises :class:`WireError` and leaves
         the layer exactly as it was. Learned sinks are weights: kept.
         """
-        self._apply_record(decode_layer(buf, self._wire_expect()))
+        rec = decode_layer(buf, self._wire_expect())
+        self._check_record(rec)
+        self._apply_record(rec)
 
     def _wire_expect(self) -> Expect:
         """This layer's facts a peer's record is checked against."""
@@ -59,12 +70,30 @@ class WireMixin:
             linear_wire_allowed=self._linear_wire_allowed,
         )
 
+    def _check_record(self, rec: LayerState) -> None:
+        """What installing ``rec`` would refuse, refused now as a WireError:
+        with this, :meth:`_apply_record` cannot fail, so a whole-cache import
+        checks every layer before the first one changes."""
+        if rec.kind == WireKind.Bounded:
+            b = rec.bounded
+            for name, ring in (("K", b.ring_k), ("V", b.ring_v)):
+                if not np.isfinite(ring).all():
+                    at = np.argwhere(~np.isfinite(ring))[0].tolist()
+                    raise WireError(f"kv import: the bounded ring's {name} holds inf/NaN at [head, slot, channel] "
+                                    f"{at} (a ring stores finite rows only; an f16 export of a value above "
+                                    f"65504 travels as inf)")
+
     def _apply_record(self, rec: LayerState) -> None:
-        # Nothing below can fail: the record is complete and checked.
+        # Nothing below can fail: the record is complete and checked
+        # (decode_layer, then _check_record).
         fresh = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
         if rec.kind in (WireKind.Full, WireKind.FullTail):
             rows = max((a.shape[0] for a in rec.k), default=0)
-            fresh.reserve(max(rows, rec.imp.shape[0]))
+            # A record of positions with no row and no importance (a depth
+            # counter) gets zero mass per position: the storage then counts
+            # the same positions as the layer, so appends, export and
+            # eviction keep working on it.
+            fresh.reserve(max(rows, rec.seq_len))
             for h in range(self.num_kv_heads):
                 n = rec.k[h].shape[0]
                 if n:
@@ -72,7 +101,7 @@ class WireMixin:
                     fresh.v[h, :n] = rec.v[h]
                 fresh.lens[h] = n
             fresh._imp[: rec.imp.shape[0]] = rec.imp
-            fresh.seq_len = rec.imp.shape[0]
+            fresh.seq_len = rec.seq_len
             self.linear_state = rec.linear_state
         elif rec.kind == WireKind.Linear:
             self.linear_state = rec.linear_state

@@ -120,5 +120,9 @@ class KvCache:
         if len(blobs) != len(self.layers):
             raise WireError(f"kv import: container holds {len(blobs)} layers, this cache has {len(self.layers)}")
         records = [decode_layer(blob, layer._wire_expect()) for layer, blob in zip(self.layers, blobs)]
+        # Everything an install could refuse is refused here, before the
+        # first layer changes: a bad record after good ones changes nothing.
+        for layer, rec in zip(self.layers, records):
+            layer._check_record(rec)
         for layer, rec in zip(self.layers, records):
             layer._apply_record(rec)

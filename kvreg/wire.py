@@ -64,6 +64,11 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _U32_MAX = 0xFFFF_FFFF
 _U64_MAX = 0xFFFF_FFFF_FFFF_FFFF
+#: The largest position a record may carry (the u64 field holds more): past
+#: 2**53 float64 does not resolve positions (RoPE angles), and a layer or
+#: ring refuses to count beyond it, so importing one would land a state the
+#: next step cannot advance.
+MAX_POSITION = 2**53
 
 
 @dataclass(eq=False)
@@ -232,6 +237,8 @@ def encode_layer(state: LayerState, *, f16: bool) -> bytes:
         if int(state.position) != base + int(state.seq_len):
             raise WireError(f"kv export: position {state.position} != base {base} + seq_len {state.seq_len}")
     position = _uint(state.position, "position", _U64_MAX)
+    if position > MAX_POSITION:
+        raise WireError(f"kv export: position {position} is past 2**53, which float64 positions do not resolve")
     header = _HEADER.pack(WIRE_MAGIC, WIRE_VERSION, _uint(state.identity, "identity", _U64_MAX),
                           _uint(state.layer, "layer", _U32_MAX), int(kind), int(f16), 0, position)
     if kind is WireKind.Full:
@@ -377,6 +384,12 @@ def _parse(mv: memoryview, expect: Expect | None, materialize: bool, notes) -> L
                          "body has no ring record", 0)
         body = _full_body(r, expect, None)
         _trailing(r)
+        if expect is not None and expect.kind is WireKind.Linear and (
+                body["imp"].size or any(a.shape[0] for a in body["k"])):
+            # A Linear layer exports only its recurrent state: rows installed
+            # from a legacy body would be dropped silently at its next export.
+            raise r.fail("a legacy body holding K/V rows or importance for a Linear layer: its wire kind "
+                         "carries the recurrent state only (export the peer as a Full layer)", 0)
         return _state(WireKind.Full, expect.identity if expect else 0, expect.layer if expect else 0,
                       body["seq_len"], 0, body)
     if r.n < HEADER_SIZE:
@@ -405,6 +418,9 @@ def _parse(mv: memoryview, expect: Expect | None, materialize: bool, notes) -> L
         raise r.fail(f"f16 flag {f16_b} is neither 0 nor 1", 21)
     if zero != 0:
         raise r.fail(f"reserved field is {zero}, not 0", 22)
+    if position > MAX_POSITION:
+        raise r.fail(f"position {position} is past 2**53, which float64 positions do not resolve "
+                     "(a layer or ring cannot advance from it)", 24)
     f16 = f16_b == 1
     r.o = HEADER_SIZE
     if kind in (WireKind.Full, WireKind.FullTail):
