@@ -53,7 +53,13 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
 
 def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     """Per-row softmax with the seed's semantics: max (with the sink), exp, a
-    SEQUENTIAL sum (plus the sink's share), divide when the sum > 0.
+    SEQUENTIAL sum (plus the sink's share), divide.
+
+    Non-finite scores follow IEEE (docs/kernels.md): a NaN or +inf score, or
+    a row of -inf scores with no sink, makes the max or the sum NaN and so
+    every probability of the row NaN; -inf scores under a finite max get
+    probability 0. (The sum of a row with a finite max is >= 1: the max's
+    own term is exp(0).)
 
     Rows are independent: every operation is elementwise or along a row
     (``cumsum`` accumulates each row on its own), so a row's bits do not
@@ -67,7 +73,7 @@ def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
     if sinks is not None:
         z = z + np.exp(sinks - m)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where((z > 0)[:, None], e / z[:, None], e)
+        return e / z[:, None]
 
 
 def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
@@ -100,12 +106,29 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
 
 def attend_rows(st, g, q, *, scale, first, n, softcap, sinks):
     """(out [nh, hd], probs [nh, n-first]) of KV head ``g`` over ``[first, n)``."""
-    s = key_scores(st, g, q, first, n) * np.float32(scale)
-    if softcap > 0:
-        c = np.float32(softcap)
-        s = c * np.tanh(s / c)
-    p = softmax_rows(s, sinks)
+    with np.errstate(over="ignore", invalid="ignore"):  # NaN/inf follow IEEE (docs/kernels.md)
+        s = key_scores(st, g, q, first, n) * np.float32(scale)
+        if softcap > 0:
+            c = np.float32(softcap)
+            s = c * np.tanh(s / c)
+        p = softmax_rows(s, sinks)
     return value_pass(st, g, p, first, n), p
+
+
+def _masked_values(p: np.ndarray, vmat: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``out[b, h] = Σ_k p[h, b, k] · vmat[k]`` over the keys row ``b`` can
+    see (``mask``): one GEMM when every value is finite (a masked key's
+    probability is 0, so it adds nothing); otherwise row by row over the
+    visible keys, so a NaN/inf value reaches only the rows that see it
+    (0 · NaN would reach the others through the GEMM)."""
+    if np.isfinite(vmat).all():
+        return np.einsum("hbk,kd->bhd", p, vmat, optimize=True)
+    nh, b, _ = p.shape
+    out = np.empty((b, nh, vmat.shape[1]), dtype=np.float32)
+    for r in range(b):
+        cols = np.flatnonzero(mask[r])
+        out[r] = p[:, r, cols] @ vmat[cols]
+    return out
 
 
 class ReferenceBackend(Backend):
@@ -162,10 +185,15 @@ class ReferenceBackend(Backend):
             qg = q[:, g * hpk:(g + 1) * hpk, :]               # [b, hpk, hd]
             s = np.einsum("bhd,kd->hbk", qg, kmat, optimize=True) * np.float32(scale)
             s = np.where(mask[None], s, -np.inf)
-            s -= s.max(axis=2, keepdims=True)
-            np.exp(s, out=s)
-            s /= s.sum(axis=2, keepdims=True)
-            out[:, g * hpk:(g + 1) * hpk, :] = np.einsum("hbk,kd->bhd", s, vmat, optimize=True)
+            with np.errstate(invalid="ignore"):
+                s -= s.max(axis=2, keepdims=True)
+                np.exp(s, out=s)
+                s /= s.sum(axis=2, keepdims=True)
+            # A poisoned row (NaN or +inf score) is NaN at its visible keys
+            # only: its masked keys get probability 0, not NaN (IEEE would
+            # spread the NaN to keys the row cannot see).
+            s = np.where(mask[None], s, np.float32(0))
+            out[:, g * hpk:(g + 1) * hpk, :] = _masked_values(s, vmat, mask)
             if imp is not None:
                 ni = min(imp.shape[0], n)
                 if ni > lo0:

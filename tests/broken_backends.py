@@ -120,7 +120,33 @@ class IgnoresExactRows(ReferenceBackend):
         return super().attend_group(q, view, g, **kw)
 
 
-BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror, IgnoresExactRows)
+class DropsNanRows(ReferenceBackend):
+    """A softmax whose max and exp skip NaN scores (a ``x > m`` max, a NaN
+    exp flushed to 0): a NaN key row is dropped silently instead of
+    poisoning its head (what kvreg-numba did before the NaN policy)."""
+
+    name = "broken_nan"
+    auto = False
+
+    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        from kvreg.reference import key_scores, softmax_rows, value_pass
+
+        n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), upto)
+        if n == 0:
+            return np.zeros_like(q)
+        first = min(first, n - 1)
+        s = key_scores(st, g, q, first, n) * np.float32(scale)
+        p = softmax_rows(np.where(np.isnan(s), np.float32(-np.inf), s), sinks)
+        if imp is not None:
+            m = min(imp.shape[0], n)
+            for h in range(q.shape[0]):
+                if m > first:
+                    imp[first:m] += p[h, : m - first]
+        return value_pass(st, g, p, first, n)
+
+
+BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror, IgnoresExactRows,
+          DropsNanRows)
 
 
 class _KvregPlugin:

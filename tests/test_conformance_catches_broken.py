@@ -35,6 +35,7 @@ def run_suite(backend, keyword, extra_env=None):
     ("broken_gather", "evict_born_gathers", "gather_rows"),
     ("broken_mirror", "truncate_then_append", "attend_group"),
     ("broken_exact", "attend_group_matches_the_oracle and plain and q8", "attend_group"),
+    ("broken_nan", "nan_in_a_key_row", "attend_layer"),
 ])
 def test_suite_fails_the_broken_backend_naming_the_kernel(backend, keyword, kernel):
     rc, out = run_suite(backend, keyword)
@@ -46,7 +47,7 @@ def test_the_same_selection_passes_on_the_reference():
     # Guards the cases above: they fail because of the bug, not the selection.
     rc, out = run_suite("reference", "quantize_rows_rounds_ties or attend_group_matches_the_oracle and plain "
                                      "or attend_layer_equals_attend_group or evict_born_gathers "
-                                     "or truncate_then_append")
+                                     "or truncate_then_append or nan_in_a_key_row")
     assert rc == 0, out[-3000:]
 
 

@@ -42,6 +42,8 @@ K_GROUP = 32
 SUB_ROWS = 16
 
 _NEG_INF = np.float32(-np.inf)
+_POS_INF = np.float32(np.inf)
+_NAN = np.float32(np.nan)
 _ZERO = np.float32(0.0)
 
 
@@ -500,11 +502,18 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         if softcap > 0:
             for r in range(nr):
                 e[r] = softcap * np.tanh(e[r] / softcap)
+        # NaN-propagating max (a NaN score must reach the merge, which
+        # poisons the head: docs/kernels.md, non-finite values). A plain
+        # `x > m` would drop the NaN row silently.
         m = _NEG_INF
+        nan = False
         for r in range(nr):
             x = e[r]
             if x > m:
                 m = x
+            nan |= x != x
+        if nan:
+            m = np.float32(np.nan)
         lsum = _ZERO
         for r in range(nr):
             x = fexp(e[r] - m)
@@ -634,10 +643,22 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         t1 = tstart[i + 1]
         mx = _NEG_INF
         for t in range(t0, t1):
-            if pm[t, h] > mx:
-                mx = pm[t, h]
+            x = pm[t, h]
+            if x > mx or x != x:  # NaN-propagating: a NaN block max poisons
+                mx = x
         if has_sink and sinks[row] > mx:
             mx = sinks[row]
+        if has_sink and sinks[row] != sinks[row]:
+            mx = sinks[row]
+        if not (mx > _NEG_INF and mx < _POS_INF):
+            # A NaN or +inf score, or every visible score -inf with no sink:
+            # the softmax is NaN (IEEE, as the reference computes it), so
+            # is every channel of the output and every visible probability.
+            for d in range(hd):
+                o[d] = _NAN
+            for t in range(t0, t1):
+                coef[t, h] = _NAN
+            continue
         z = _ZERO
         for t in range(t0, t1):
             w = fexp(pm[t, h] - mx)
@@ -707,11 +728,22 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
             x[j] = _ZERO
         seg = x[lo:end]
         mx = _NEG_INF
+        nan = False
         for j in range(end - lo):
             v = seg[j] * scale
             seg[j] = v
             if v > mx:
                 mx = v
+            nan |= v != v
+        if nan or not (mx > _NEG_INF and mx < _POS_INF):
+            # NaN / +inf score, or all -inf: the row's softmax is NaN at
+            # every visible key (docs/kernels.md), 0 at the masked ones.
+            for j in range(end - lo):
+                seg[j] = _NAN
+            tail = x[end:]
+            for j in range(nk - end):
+                tail[j] = _ZERO
+            continue
         z = _ZERO
         for j in range(end - lo):
             e = fexp(seg[j] - mx)
@@ -724,6 +756,37 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
         tail = x[end:]
         for j in range(nk - end):
             tail[j] = _ZERO
+
+
+@njit(nogil=True, cache=_CACHE)
+def _all_finite(a):
+    """Whether every element of the 2-D ``a`` is finite (one read, no temporaries)."""
+    acc = _ZERO
+    for i in range(a.shape[0]):
+        r = a[i]
+        for j in range(a.shape[1]):
+            acc += r[j] - r[j]  # NaN exactly when some element is NaN or inf
+    return acc == acc
+
+
+@njit(nogil=True, cache=_CACHE)
+def _visible_values(S, vt, s0, i0, bt, klo, window):
+    """``S @ vt`` with row ``h*bt + r`` summing only the keys query ``i0 + r``
+    sees, in key order (the slow path of a tile holding non-finite values)."""
+    m_rows = S.shape[0]
+    hd = vt.shape[1]
+    o = np.zeros((m_rows, hd), np.float32)
+    for row in range(m_rows):
+        i = i0 + row % bt
+        end = s0 + i + 1 - klo
+        lo = 0
+        if window > 0:
+            lo = max(0, s0 + i + 1 - window) - klo
+        for j in range(lo, end):
+            p = S[row, j]
+            for d in range(hd):
+                o[row, d] += p * vt[j, d]
+    return o
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
@@ -912,7 +975,13 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
             panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
             S = panel @ k[g, klo:khi].T
             chunk_softmax(S, scale, s0, i0, bt, klo, w)
-            o = S @ v[g, klo:khi]
+            vt = v[g, klo:khi]
+            if _all_finite(vt):
+                o = S @ vt
+            else:
+                # 0 * NaN: a NaN/inf value row would reach through the GEMM
+                # the tile rows that cannot see it; sum visible keys only.
+                o = _visible_values(S, vt, s0, i0, bt, klo, w)
             out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
             if ni > klo:
                 column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])

@@ -189,7 +189,7 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
 
     for (int h = l; h < hcnt; h += L) {
         float m = -INFINITY;
-        for (int r = 0; r < rows; ++r) m = fmax(m, sloc[h * br + r]);
+        for (int r = 0; r < rows; ++r) m = kvreg_max_nan(m, sloc[h * br + r]);
         mloc[h] = m;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -299,10 +299,16 @@ __kernel void merge(__global const float *pm, __global const float *ps,
     }
     const int nb = (n - first + br - 1) / br;
     float m = -INFINITY;
-    for (int b = 0; b < nb; ++b) m = fmax(m, pm[o * nblk + b]);
-    if (has_sinks) m = fmax(m, sinks[qh]);
+    for (int b = 0; b < nb; ++b) m = kvreg_max_nan(m, pm[o * nblk + b]);
+    if (has_sinks) m = kvreg_max_nan(m, sinks[qh]);
     float z = 0.0f, acc = 0.0f;
-    if (m != -INFINITY) {
+    if (!isfinite(m)) {
+        /* a NaN or +inf score, or every visible score -inf and no sink: the
+         * softmax is NaN (IEEE, as the reference computes it), and so are
+         * every channel of the output and every visible probability. */
+        z = NAN;
+        acc = NAN;
+    } else {
         for (int b = 0; b < nb; ++b) {
             const float mb = pm[o * nblk + b];
             if (mb == -INFINITY) continue;
@@ -313,7 +319,7 @@ __kernel void merge(__global const float *pm, __global const float *ps,
         /* the sink joins the denominator last, as in the seed */
         if (has_sinks) z += exp(sinks[qh] - m);
     }
-    float r = (z > 0.0f) ? acc / z : 0.0f;
+    float r = (z > 0.0f || isnan(z)) ? acc / z : 0.0f;
     if (use_vcol) r *= vcol[(size_t)(g0 + gl) * hd + d];
     out[o * hd + d] = r;
     if (d == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
@@ -334,7 +340,9 @@ __kernel void probs(__global float *scores, __global const float *mz,
     const size_t o = (size_t)t * nq + qh;
     const float m = mz[2 * o], z = mz[2 * o + 1];
     const size_t i = o * sstride + pr;
-    scores[i] = (z > 0.0f) ? exp(scores[i] - m) / z : 0.0f;
+    /* z is >= 1 (the max's own exp(0)) or NaN (a poisoned head: every
+     * visible probability NaN) */
+    scores[i] = exp(scores[i] - m) / z;
 }
 
 /* imp[p] += prob[t, h, p] for every token and head, added one at a time in

@@ -16,4 +16,8 @@ inline float kvreg_hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
 
 inline float kvreg_hsum8(float8 a) { return kvreg_hsum4(a.lo + a.hi); }
 
+/* max that propagates NaN (fmax drops it): a NaN score must poison its head
+ * (docs/kernels.md, non-finite values), not vanish from the softmax. */
+inline float kvreg_max_nan(float m, float x) { return (x > m || isnan(x)) ? x : m; }
+
 #endif
