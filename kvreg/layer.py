@@ -75,6 +75,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._linear_wire_allowed = True
         self._kv_amax = [0.0, 0.0]
         self._kv_amax_rows = 0
+        # Rows scanned per head: a head that was dead for earlier appends
+        # lags behind the longest, and its new rows sit below that mark.
+        self._kv_amax_head = np.zeros(self.num_kv_heads, dtype=np.int64)
         # The wire record this layer exchanges (v2 header fields).
         self.wire_kind = WireKind.Full
         self.wire_layer = layer
@@ -524,6 +527,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         # The scanned mark moves with the rows: left in place, rows appended
         # after the trim up to the old mark would never be scanned.
         self._kv_amax_rows = max(self._kv_amax_rows - d, 0)
+        self._kv_amax_head = np.maximum(self._kv_amax_head - d, 0)
         return d
 
     def _evict_bypassed(self) -> bool:
@@ -606,17 +610,20 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             self._kv_amax_rows = 0
         if self._kv_amax_rows == 0:
             self._kv_amax = [0.0, 0.0]
-        frm = self._kv_amax_rows
+            self._kv_amax_head[:] = 0
+        # A lowered mark (truncation, clear) applies to every head.
+        frm = np.minimum(self._kv_amax_head, self._kv_amax_rows)
         for i, blk in enumerate((st.k, st.v)):
             if blk is None:
                 continue
             for h in range(self.num_kv_heads):
-                n = int(st.lens[h])
-                if n > frm:
-                    x = blk[h, frm:n]
+                n, f = int(st.lens[h]), int(frm[h])
+                if n > f:
+                    x = blk[h, f:n]
                     m = np.inf if not np.isfinite(x).all() else float(np.abs(x).max())
                     self._kv_amax[i] = max(self._kv_amax[i], m)
         self._kv_amax_rows = rows
+        self._kv_amax_head = st.lens.astype(np.int64, copy=True)
         return (self._kv_amax[0], self._kv_amax[1])
 
     def kv_abs_max_after(self, chunk: tuple[int, int, float, float]) -> tuple[float, float]:
@@ -624,12 +631,17 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         vmax)`` of rows it just appended, when they continue the scanned
         prefix and the layer holds exactly ``upto`` rows; else the scan."""
         frm, upto, km, vm = chunk
-        if self._kv_amax_rows != frm or self._kv_rows() != upto or frm > upto:
+        lens = self._st.lens
+        # Every head must have continued the scanned prefix: a head that
+        # lagged holds new rows below `frm` that the caller's maxima may miss.
+        ragged = ((self._kv_amax_head != frm) & (lens != self._kv_amax_head)).any() if frm else False
+        if self._kv_amax_rows != frm or self._kv_rows() != upto or frm > upto or ragged:
             return self.kv_abs_max()
         if frm == 0:
             self._kv_amax = [0.0, 0.0]
         self._kv_amax = [max(self._kv_amax[0], float(km)), max(self._kv_amax[1], float(vm))]
         self._kv_amax_rows = upto
+        self._kv_amax_head = lens.astype(np.int64, copy=True)
         return (self._kv_amax[0], self._kv_amax[1])
 
     def _new_generation(self) -> None:

@@ -149,6 +149,56 @@ BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleM
           DropsNanRows)
 
 
+
+class NarrowRowCount(ReferenceBackend):
+    """attend_group that keeps the row bound ``upto`` in a uint8 (it wraps
+    past 255 rows): the integer-width bug class of issue 18 item 2."""
+
+    name = "broken_narrow"
+    auto = False
+
+    def attend_group(self, q, st, g, *, upto=None, **kw):
+        return super().attend_group(q, st, g, upto=None if upto is None else upto % 256, **kw)
+
+
+class ShortestHeadLayer(ReferenceBackend):
+    """attend_layer that takes every group's length from the shortest head
+    (a kernel written for dense heads): ragged heads read too few rows."""
+
+    name = "broken_ragged"
+    auto = False
+
+    def attend_layer(self, q, st, **kw):
+        view = copy.copy(st)
+        view.lens = np.full_like(st.lens, int(st.lens.min()))
+        return super().attend_layer(q, view, **kw)
+
+
+class PositionKeyedRing(ReferenceBackend):
+    """bounded_attend from a copy of the ring refreshed only at the newly
+    inserted slot whenever the position advances by one: a ring replaced in
+    place by an import at the same position keeps being read stale."""
+
+    name = "broken_ring"
+    auto = False
+
+    def __init__(self, device=None):
+        super().__init__(device)
+        self._copies: dict[int, list] = {}
+
+    def bounded_attend(self, q, ring_k, ring_v, seen, *args):
+        c = self._copies.get(id(ring_k))
+        if c is None or c[0] is not ring_k or seen != c[1] + 1:
+            c = self._copies[id(ring_k)] = [ring_k, seen, ring_k.copy(), ring_v.copy()]
+        else:
+            s = (seen - 1) % ring_k.shape[1]
+            c[2][:, s], c[3][:, s] = ring_k[:, s], ring_v[:, s]
+            c[1] = seen
+        return super().bounded_attend(q, c[2], c[3], seen, *args)
+
+
+BROKEN = BROKEN + (NarrowRowCount, ShortestHeadLayer, PositionKeyedRing)
+
 class _KvregPlugin:
     @hookimpl
     def kvreg_register_backends(self, register):

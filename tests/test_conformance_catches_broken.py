@@ -35,6 +35,9 @@ def run_suite(backend, keyword, extra_env=None):
     ("broken_gather", "evict_born_gathers", "gather_rows"),
     ("broken_mirror", "truncate_then_append", "attend_group"),
     ("broken_exact", "attend_group_matches_the_oracle and plain and q8", "attend_group"),
+    ("broken_narrow", "upto_past_255_rows", "attend_group"),
+    ("broken_ragged", "attention_on_ragged_heads", "attend_layer"),
+    ("broken_ring", "import_at_the_same_position", "bounded_attend"),
     ("broken_nan", "nan_in_a_key_row", "attend_layer"),
 ])
 def test_suite_fails_the_broken_backend_naming_the_kernel(backend, keyword, kernel):
@@ -60,3 +63,10 @@ def test_xfail_list_marks_known_gaps_and_reports_stale_entries(tmp_path):
     assert rc == 0, out[-3000:]
     assert "2 xfailed" in out
     assert "stale xfail entry" in out and "test_no_such_case" in out
+
+
+def test_the_typed_ragged_and_import_selection_passes_on_the_reference():
+    # Guards the broken_narrow / broken_ragged / broken_ring cases the same way.
+    rc, out = run_suite("reference", "upto_past_255_rows or attention_on_ragged_heads "
+                                     "or import_at_the_same_position")
+    assert rc == 0, out[-3000:]

@@ -1,0 +1,91 @@
+"""Whole-cache imports are all or nothing, and what an import installs is
+what the backend then reads (issue 18 item 1: a bad Bounded record after
+good ones failed at install, after the earlier layers had changed)."""
+
+import struct
+
+import pytest
+
+from kvreg import KvCache, KvMode, WireError
+from kvreg.bounded import BoundedRope, BoundedWeights
+from kvreg.wire import decode_cache, encode_cache
+
+from .data import rng_rows
+
+NKV, HD, HPK, W = 2, 16, 2, 8
+
+
+def cache(backend, seed, inserts=13):
+    """Layers: Full, Bounded (ring of W, stepped through the backend), Full."""
+    c = KvCache(3, NKV, HD, 4096, mode=KvMode.F32, backend=backend)
+    c.layers[1].install_bounded(W)
+    k = rng_rows(seed, 24, NKV * HD)
+    v = rng_rows(seed + 1, 24, NKV * HD)
+    for i in (0, 2):
+        for p in range(20):
+            c.layers[i].append(k[p], v[p])
+    for p in range(inserts):
+        step(c.layers[1], seed + p)
+    return c
+
+
+def weights():
+    return BoundedWeights(rng_rows(50, NKV * 2, HD).reshape(NKV, 2, HD),
+                          rng_rows(51, NKV * 2, HD).reshape(NKV, 2, HD), 2, [W, W // 2])
+
+
+def step(layer, seed):
+    k, v = rng_rows(seed + 100, 2, NKV * HD)
+    q = rng_rows(seed + 200, NKV * HPK, HD)
+    return layer.bounded_step(q, k, v, weights(), BoundedRope(theta=10000.0), 0.25, NKV * HPK)
+
+
+def state(c):
+    return c.export_wire(), [(x.seq_len, x.base, x.generation) for x in c.layers]
+
+
+def answers(c):
+    q = rng_rows(77, NKV * HPK, HD)
+    outs = [c.layers[i].attend_layer(q, importance=False) for i in (0, 2)]
+    return outs
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("where", ["ring nan", "ring inf", "last truncated", "last layer id"])
+def test_a_bad_record_after_good_ones_changes_no_layer(backend, check, where):
+    src, dst = cache(backend, 1), cache(backend, 2)
+    parts = decode_cache(src.export_wire())
+    if where.startswith("ring"):
+        b = bytearray(parts[1])
+        struct.pack_into("<f", b, 32 + 20 + 4 * 9, float("nan") if where == "ring nan" else float("-inf"))
+        parts[1] = bytes(b)
+    elif where == "last truncated":
+        parts[2] = parts[2][:-3]
+    else:
+        b = bytearray(parts[2])
+        struct.pack_into("<I", b, 16, 9)
+        parts[2] = bytes(b)
+    before, outs = state(dst), answers(dst)
+    try:
+        dst.import_wire(encode_cache(parts))
+    except WireError:
+        pass
+    else:
+        raise AssertionError(f"kernel wire on backend {backend.name!r}: import accepted a container with {where}")
+    check.equal("wire", state(dst) == before, True, f"{where}: a refused import left every layer as it was")
+    for got, want in zip(answers(dst), outs):
+        check.exact("attend_layer", got, want, f"{where}: answers after a refused import")
+
+
+@pytest.mark.quick
+def test_an_import_at_the_same_position_is_what_the_next_step_reads(backend, check):
+    # dst's ring is at the same position as src's: only the contents differ,
+    # so a device copy keyed on the position alone would answer from dst's rows.
+    src, dst = cache(backend, 1), cache(backend, 2)
+    blob = src.export_wire()
+    dst.import_wire(blob)
+    for p in range(3):
+        check.exact("bounded_attend", step(dst.layers[1], 900 + p), step(src.layers[1], 900 + p),
+                    f"step {p} after importing a ring at the same position")
+    for got, want in zip(answers(dst), answers(src)):
+        check.exact("attend_layer", got, want, "Full layers after the import")
