@@ -10,34 +10,51 @@ import sys
 def _cmd_info(args) -> int:
     import kvreg
     from kvreg import registry
-    from kvreg.errors import BackendError
+
+    # Diagnoses a bad environment instead of dying of it: every section
+    # reports its own failure and the rest still print.
+    def failure(exc) -> str:
+        return f"ERROR: {exc}" if isinstance(exc, kvreg.KvregError) else f"ERROR: {type(exc).__name__}: {exc}"
 
     print(f"kvreg {kvreg.__version__}")
     env = {k: os.environ.get(k) for k in ("KVREG_BACKEND", "KVREG_DEVICE", "KVREG_KV")}
     print("environment: " + ", ".join(f"{k}={v if v is not None else '(unset)'}" for k, v in env.items()))
     try:
         mode = kvreg.KvMode.from_env().value
-    except kvreg.ConfigError as exc:
-        mode = f"ERROR: {exc}"
+    except Exception as exc:  # noqa: BLE001
+        mode = failure(exc)
     print(f"KV mode: {mode}")
+    ok = True
     try:
         active = kvreg.get_backend()
         print(f"active backend: {active.describe()}")
-    except BackendError as exc:
-        print(f"active backend: ERROR: {exc}")
+    except Exception as exc:  # noqa: BLE001  (a backend's own error, e.g. a driver's, is reported too)
+        ok = False
+        print(f"active backend: {failure(exc)}")
     print("registered backends:")
-    for name, cls in sorted(registry.backends().items()):
+    try:
+        found = sorted(registry.backends().items())
+    except Exception as exc:  # noqa: BLE001
+        found = []
+        print(f"  {failure(exc)}")
+    for name, cls in found:
         try:
             devices = cls.device_labels()
-        except BackendError as exc:
+        except Exception as exc:  # noqa: BLE001
             devices = [f"unavailable: {exc}"]
-        native = cls.native_kernels()
-        print(f"  {name} (priority {cls.priority}{', auto' if cls.auto else ''})")
+        try:
+            native = cls.native_kernels()
+        except Exception as exc:  # noqa: BLE001
+            native = [failure(exc)]
+        takes = ", takes KVREG_DEVICE" if registry.takes_devices(cls) else ""
+        print(f"  {name} (priority {cls.priority}{', auto' if cls.auto else ''}{takes})")
         print(f"    devices: {'; '.join(devices) if devices else 'none'}")
         print(f"    native kernels: {', '.join(native) if native else 'none (inherits the reference)'}")
     for name, err in registry.load_errors().items():
         print(f"  {name}: FAILED TO LOAD: {err}")
-    return 0
+    # The report is the product; a non-zero status tells a script that the
+    # environment as set cannot run kvreg.
+    return 0 if ok else 1
 
 
 def _cmd_wire_inspect(args) -> int:

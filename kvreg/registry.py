@@ -97,7 +97,31 @@ def unregister_plugin(plugin: object) -> None:
     refresh()
 
 
+def takes_devices(cls: type[Backend]) -> bool:
+    """Whether a backend class selects among devices (it overrides
+    :meth:`Backend.devices`); the others run on the CPU only."""
+    return getattr(cls.devices, "__func__", None) is not Backend.devices.__func__
+
+
+def _cpu_spec(device: str) -> bool:
+    d = device.strip().lower()
+    return d == "cpu" or d.startswith("cpu:")
+
+
+def _check_device(cls: type[Backend] | None, device: str | None) -> None:
+    """Refuse a device spec the backend cannot understand (``cls`` None:
+    ``auto``, which picks among CPU backends): silently ignoring it would run
+    on the CPU a caller asked to keep off it."""
+    if device is None or _cpu_spec(device) or (cls is not None and takes_devices(cls)):
+        return
+    takers = sorted(name for name, c in backends().items() if takes_devices(c))
+    who = "auto picks CPU backends only" if cls is None else f"the {cls.name} backend runs on the CPU only"
+    raise BackendError(f"KVREG_DEVICE={device!r} is not understood: {who}; backends that take devices: "
+                       f"{', '.join(takers) if takers else 'none installed'} (select one with KVREG_BACKEND)")
+
+
 def _auto(device: str | None) -> Backend:
+    _check_device(None, device)
     tried = []
     for cls in sorted(backends().values(), key=lambda c: -c.priority):
         if not cls.auto:
@@ -110,6 +134,7 @@ def _auto(device: str | None) -> Backend:
 
 
 def _instantiate(cls: type[Backend], device: str | None) -> Backend:
+    _check_device(cls, device)
     key = (cls.name, device)
     with _inst_lock:   # one instance (one device context, one set of mirrors) per key
         inst = _instances.get(key)
