@@ -239,6 +239,12 @@ class O1Mixin:
         trace = (rows[0] if len(rows) == 1 else np.concatenate(rows)).reshape(-1, num_heads, hd)
         pick = None if stride == 1 else np.arange(t) // stride
         st = self._st
+        # The far-field fit of a NaN/inf row is NaN everywhere: a malformed
+        # prerequisite like the others (abort and latch), found before any
+        # group converts.
+        for name, a in (("query trace", trace), ("keys", st.k[:, :t]), ("values", st.v[:, :t])):
+            if not np.isfinite(a).all():
+                raise SealError(f"o1 seal: the {name} hold NaN/inf; the Nyström far field needs finite rows")
 
         def seal_group(g: int) -> NystromState:
             state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1_scale,
@@ -255,11 +261,16 @@ class O1Mixin:
         # threads -- where the backend's kernels release the GIL without
         # threading themselves. The reference's GEMMs are already threaded by
         # BLAS: threads on top oversubscribe the cores (9x slower measured).
-        if nkv > 1 and getattr(self.backend, "parallel_seal", False):
-            with ThreadPoolExecutor(max_workers=min(nkv, os.cpu_count() or 1)) as pool:
-                groups = list(pool.map(seal_group, range(nkv)))
-        else:
-            groups = [seal_group(g) for g in range(nkv)]
+        try:
+            if nkv > 1 and getattr(self.backend, "parallel_seal", False):
+                with ThreadPoolExecutor(max_workers=min(nkv, os.cpu_count() or 1)) as pool:
+                    groups = list(pool.map(seal_group, range(nkv)))
+            else:
+                groups = [seal_group(g) for g in range(nkv)]
+        except (ShapeError, np.linalg.LinAlgError, FloatingPointError) as exc:
+            # Nothing changed yet (the storage is released only below): a
+            # fit the states refuse is a failed seal, latched like the rest.
+            raise SealError(f"o1 seal: the far-field fit failed: {exc}") from exc
         # The states carry everything decode needs: release the O(context)
         # storage (this is the memory claim, not a cosmetic).
         self._kv_rows_changed(0)
