@@ -23,6 +23,11 @@ INSTALL_HINT = (
 
 _lock = threading.Lock()
 _states: dict = {}
+# One DeviceState (one context) per physical device, whatever selector
+# reached it: the program and scratch caches are per context, and two
+# contexts on one device would hand a launch buffers of the other.
+_by_device: dict = {}
+_reset_hooks: list = []
 
 
 @dataclass(frozen=True)
@@ -206,15 +211,38 @@ def get_device(selector: str | None = None) -> DeviceState:
                 e = choose(entries, os.environ.get("KVREG_DEVICE"), os.environ.get("PYOPENCL_CTX"), cl)
             else:
                 e = choose(entries, key, None, cl)
-            try:
-                st = DeviceState(cl, *e)
-            except Exception as exc:
-                raise BackendError(f"kvreg-opencl: cannot open {e[3].name.strip()!r}: {exc}; {INSTALL_HINT}") from exc
+            st = _by_device.get((e[0], e[1]))
+            if st is None:
+                try:
+                    st = DeviceState(cl, *e)
+                except Exception as exc:
+                    raise BackendError(f"kvreg-opencl: cannot open {e[3].name.strip()!r}: {exc}; "
+                                       f"{INSTALL_HINT}") from exc
+                _by_device[(e[0], e[1])] = st
             _states[key] = st
     return st
 
 
+def on_reset(hook) -> None:
+    """Call ``hook()`` from :func:`reset_device` (caches of per-context
+    objects register their ``clear`` here)."""
+    with _lock:
+        if hook not in _reset_hooks:
+            _reset_hooks.append(hook)
+
+
 def reset_device() -> None:
-    """Forget the chosen devices (tests; a changed KVREG_DEVICE)."""
+    """Forget the chosen devices and every cache of objects made in their
+    contexts (programs, kernels, scratch buffers), and the registry's backend
+    instances, which hold those contexts: the next backend opens a fresh
+    context and builds into it. A backend object made before the reset must
+    not be used after it (tests; a changed KVREG_DEVICE)."""
     with _lock:
         _states.clear()
+        _by_device.clear()
+        hooks = list(_reset_hooks)
+    for hook in hooks:
+        hook()
+    from kvreg import registry
+
+    registry.refresh()

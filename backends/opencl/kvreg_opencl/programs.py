@@ -4,6 +4,11 @@ Sources are the ``.cl`` files of ``kvreg_opencl/cl``; shared definitions sit
 in ``cl/common.h``, reached with ``-I <cl dir>``. A program is built once per
 (source, options, device) per process; pyopencl and PoCL keep their own
 on-disk caches underneath, which is what makes a second test run fast.
+
+Programs belong to a context, so the cache is keyed on the context (and
+holds it, so its handle cannot be reused by another while cached);
+:func:`clear` empties it, and :func:`kvreg_opencl.device.reset_device` calls
+it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from pathlib import Path
 
 from kvreg.errors import BackendError
 
+import sys
+
 from . import config
+from . import device as _device
 from .device import DeviceState
 
 CL_DIR = Path(str(resources.files("kvreg_opencl") / "cl"))
@@ -29,12 +37,13 @@ def source(name: str) -> str:
 
 def build(dev: DeviceState, name: str, options: tuple[str, ...] = ()):
     """The built ``pyopencl.Program`` of ``cl/<name>`` for ``dev``."""
-    key = (name, tuple(options), dev.device.int_ptr)
-    prg = _cache.get(key)
-    if prg is not None:
-        return prg
+    key = (name, tuple(options), dev.context.int_ptr)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] is dev.context:
+        return hit[1]
     with _lock:
-        prg = _cache.get(key)
+        hit = _cache.get(key)
+        prg = hit[1] if hit is not None and hit[0] is dev.context else None
         if prg is None:
             cl = dev.cl
             opts = ["-I", str(CL_DIR), *options]
@@ -42,7 +51,7 @@ def build(dev: DeviceState, name: str, options: tuple[str, ...] = ()):
                 prg = cl.Program(dev.context, source(name)).build(options=opts)
             except cl.RuntimeError as exc:  # build failure: the log is in the message
                 raise BackendError(f"kvreg-opencl: building {name} for {dev.info.name!r} failed:\n{exc}") from exc
-            _cache[key] = prg
+            _cache[key] = (dev.context, prg)
     return prg
 
 
@@ -53,10 +62,27 @@ def kernel(prg, name: str):
     """One ``pyopencl.Kernel`` per (program, name): retrieving a kernel from
     a program creates a new object each time, which costs per launch."""
     key = (id(prg), name)
-    k = _kernels.get(key)
-    if k is None:
-        k = _kernels[key] = _new_kernel(prg, name)
-    return k
+    hit = _kernels.get(key)
+    # The program is held with its kernel: its id cannot be reused meanwhile.
+    if hit is None or hit[0] is not prg:
+        hit = _kernels[key] = (prg, _new_kernel(prg, name))
+    return hit[1]
+
+
+def clear() -> None:
+    """Forget every built program and kernel, and the launch drivers' scratch
+    buffers (kept per device in :mod:`kvreg_opencl.kernels`, so only valid
+    while one context per device is alive: emptied with the rest)."""
+    with _lock:
+        _cache.clear()
+        _kernels.clear()
+    kernels = sys.modules.get("kvreg_opencl.kernels")
+    if kernels is not None:
+        with kernels._launch_lock:
+            kernels._scratch.clear()
+
+
+_device.on_reset(clear)
 
 
 def _new_kernel(prg, name):

@@ -1,0 +1,64 @@
+"""OpenCL program and scratch caches follow the context, not the device:
+two selectors of one device, and backends made after ``reset_device()``,
+launch fine (issue 18, item 11: both gave INVALID_CONTEXT)."""
+
+import numpy as np
+import pytest
+
+import kvreg
+
+device = pytest.importorskip("kvreg_opencl.device")
+programs = pytest.importorskip("kvreg_opencl.programs")
+
+
+@pytest.fixture(scope="module")
+def selector():
+    try:
+        return device.list_devices()[0].selector
+    except kvreg.KvregError as exc:
+        pytest.skip(f"no OpenCL device: {exc}")
+
+
+def answer(backend):
+    c = kvreg.LayerKvCache(2, 8, "f32", backend)
+    for i in range(5):
+        c.append(np.full(16, i, np.float32), np.full(16, i * 0.5, np.float32))
+    return c.attend_layer(np.ones((4, 8), np.float32))
+
+
+@pytest.fixture
+def fresh():
+    device.reset_device()
+    yield
+    device.reset_device()
+
+
+def test_default_and_explicit_selector_of_one_device_share_a_context(selector, fresh):
+    from kvreg_opencl.backend import OpenCLBackend
+
+    a = OpenCLBackend(None)
+    want = answer(a)
+    b = OpenCLBackend(selector)
+    assert b._dev is a._dev and b._dev.context is a._dev.context
+    np.testing.assert_array_equal(answer(b), want)
+    np.testing.assert_array_equal(answer(a), want)
+
+
+def test_backends_made_after_reset_device_launch(selector, fresh):
+    first = answer(kvreg.get_backend("opencl", selector))
+    old_ctx = kvreg.get_backend("opencl", selector)._dev.context
+    device.reset_device()
+    be = kvreg.get_backend("opencl", selector)
+    assert be._dev.context is not old_ctx
+    np.testing.assert_array_equal(answer(be), first)
+    np.testing.assert_array_equal(answer(kvreg.get_backend("opencl", None)), first)
+
+
+def test_programs_are_cached_per_context_and_clear_empties_them(selector, fresh):
+    be = kvreg.get_backend("opencl", selector)
+    want = answer(be)
+    prg = programs.attend_program(be._dev)
+    assert programs.attend_program(be._dev) is prg
+    programs.clear()
+    assert programs.attend_program(be._dev) is not prg
+    np.testing.assert_array_equal(answer(be), want)
