@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from . import _validate as V
@@ -64,8 +65,9 @@ class KvCache:
         return self.layers[i]
 
     def clear(self) -> None:
-        for layer in self.layers:
-            layer.clear()
+        with self._all_layers_locked():
+            for layer in self.layers:
+                layer.clear()
 
     def total_memory_bytes(self) -> int:
         return sum(layer.memory_bytes() for layer in self.layers)
@@ -101,17 +103,19 @@ class KvCache:
         """Evict every layer down to ``keep_last`` rows according to the policy."""
         keep_last = V.nonneg_int("keep_last", keep_last)
         self._check_policy(self.policy)
-        if isinstance(self.policy, Recent):
-            for layer in self.layers:
-                layer.evict(keep_last)
-        else:
-            recent = max(keep_last // 2, 1)
-            for layer in self.layers:
-                layer.evict_born(keep_last, self.policy.sink, recent)
+        with self._all_layers_locked():
+            if isinstance(self.policy, Recent):
+                for layer in self.layers:
+                    layer.evict(keep_last)
+            else:
+                recent = max(keep_last // 2, 1)
+                for layer in self.layers:
+                    layer.evict_born(keep_last, self.policy.sink, recent)
 
     def export_wire(self, f16: bool = False) -> bytes:
         """Every layer's v2 record in a ``KVRC`` container (docs/wire.md)."""
-        return encode_cache([layer.export_wire(f16) for layer in self.layers])
+        with self._all_layers_locked():
+            return encode_cache([layer.export_wire(f16) for layer in self.layers])
 
     def import_wire(self, buf) -> None:
         """Install a container exported by :meth:`export_wire`: every layer
@@ -119,6 +123,18 @@ class KvCache:
         blobs = decode_cache(buf)
         if len(blobs) != len(self.layers):
             raise WireError(f"kv import: container holds {len(blobs)} layers, this cache has {len(self.layers)}")
+        with self._all_layers_locked():
+            self._import_blobs(blobs)
+
+    def _all_layers_locked(self) -> ExitStack:
+        """Every layer's lock, in layer order (a layer call holds only its
+        own): no thread sees the cache between two layers of an import."""
+        stack = ExitStack()
+        for layer in self.layers:
+            stack.enter_context(layer._lock)
+        return stack
+
+    def _import_blobs(self, blobs) -> None:
         records = [decode_layer(blob, layer._wire_expect()) for layer, blob in zip(self.layers, blobs)]
         # Everything an install could refuse is refused here, before the
         # first layer changes: a bad record after good ones changes nothing.
