@@ -458,8 +458,11 @@ def check_bounded_attend_args(
         raise ConfigError(f"bounded attend: expected a BoundedRope, got {type(rope).__name__}")
     rope.dims(hd)
     number = isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool)
-    with np.errstate(over="ignore"):  # the kernels scale in float32: 1e39 would be inf
-        finite32 = number and np.isfinite(scale) and np.isfinite(np.float32(scale))
+    try:
+        with np.errstate(over="ignore"):  # the kernels scale in float32: 1e39 would be inf
+            finite32 = number and bool(np.isfinite(np.float32(float(scale))))
+    except OverflowError:   # an int past float64
+        finite32 = False
     if not finite32:
         raise ConfigError(f"bounded attend: scale must be a number finite in float32, got {scale!r}")
     try:

@@ -12,6 +12,10 @@ from .modes import Q8_EXACT_ROWS, KvMode
 from .wire import decode_cache, decode_layer, encode_cache
 
 
+#: The most layers a cache builds (models have at most a few hundred).
+MAX_LAYERS = 2**16
+
+
 @dataclass(frozen=True)
 class Recent:
     """Sliding window: keep only the most recent positions."""
@@ -42,7 +46,8 @@ class KvCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  policy=None, *, mode: KvMode | str | None = None, backend=None,
                  q8_exact_rows: int = Q8_EXACT_ROWS):
-        num_layers = V.positive_int("num_layers", num_layers)
+        # A layer object each: a count past any model is a mistake, not a model.
+        num_layers = V.positive_int("num_layers", num_layers, hi=MAX_LAYERS)
         max_seq_len = V.positive_int("max_seq_len", max_seq_len)
         self.policy = Born(4) if policy is None else policy
         self._check_policy(self.policy)

@@ -25,6 +25,11 @@ from .storage import LayerStorage, next_generation
 from .wire import WireKind
 
 
+#: Channels per position (num_kv_heads × head_dim) a layer takes: far past
+#: any model (8×128, 128×256), and small enough that its per-channel fields
+#: allocate at once and every element count fits the wire's u32.
+MAX_ROW = 2**24
+
 #: The largest |value| a q8 layer stores: the 2f field is a float32 RMS over
 #: the first KV_COL_WARMUP (64) rows, Σ x² of which stays finite (64·1e36 <
 #: 3.4e38), and a row divided by the smallest field (1e-6) stays finite too.
@@ -66,7 +71,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._lock = threading.RLock()
         self.num_kv_heads = V.positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = V.positive_int("head_dim", head_dim)
-        self.q8_exact_rows = V.nonneg_int("q8_exact_rows", q8_exact_rows)
+        if self.num_kv_heads * self.head_dim > MAX_ROW:
+            raise ShapeError(f"num_kv_heads×head_dim = {self.num_kv_heads}×{self.head_dim} is past {MAX_ROW} "
+                             "channels per position (2**24)")
+        # A few sink rows per head, allocated up front: bounded like a row.
+        self.q8_exact_rows = V.nonneg_int("q8_exact_rows", q8_exact_rows, hi=MAX_ROW)
         layer = V.integer("layer", layer, 0, 0xFFFF_FFFF)   # the wire header's u32
         mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
         self.backend = get_backend(backend)

@@ -213,3 +213,81 @@ def test_q8_rows_whose_field_would_overflow_are_refused(mode, value):
         c.append(row, row)
     st = c.storage
     assert st.field_frozen() and np.isfinite(st.kcol).all() and np.isfinite(st.vcol).all()
+
+
+# ── every bad argument is a kvreg error, on every backend ──
+
+BAD_ARGS = [-1, 2**63, np.uint64(2**64 - 1), 1.5, "3", None, Fraction(3, 2), True, np.array([3]), 2**53 + 1,
+            float("nan"), 1e39, 2**64]
+
+
+def _calls(be):
+    from kvreg.bounded import BoundedRope, BoundedWeights
+
+    def bstep(scale=0.5, nh=4):
+        layer = LayerKvCache(2, 4, KvMode.F32, be)
+        layer.install_bounded(4)
+        w = BoundedWeights(np.zeros((2, 1, 4), np.float32), np.zeros((2, 1, 4), np.float32), 1, [4, 4])
+        return layer.bounded_step(np.ones((4, 4), np.float32), np.ones(8, np.float32), np.ones(8, np.float32), w,
+                                  BoundedRope(), scale, nh)
+
+    q4 = np.ones((4, 4), np.float32)
+    chunk = np.ones((1, 2, 4), np.float32)
+    return {
+        "attend kv_head": lambda c, x: c.attend(Q[0], x),
+        "attend_group scale": lambda c, x: c.attend_group(Q, 0, scale=x),
+        "attend_group first": lambda c, x: c.attend_group(Q, 0, scale=0.5, first=x),
+        "attend_group upto": lambda c, x: c.attend_group(Q, 0, scale=0.5, upto=x),
+        "attend_group softcap": lambda c, x: c.attend_group(Q, 0, scale=0.5, softcap=x),
+        "attend_group imp_acc": lambda c, x: c.attend_group(Q, 0, scale=0.5, imp_acc=x),
+        "attend_layer window": lambda c, x: c.attend_layer(q4, window=x),
+        "attend_layer scale": lambda c, x: c.attend_layer(q4, scale=x),
+        "attend_chunk b": lambda c, x: c.attend_chunk(chunk, x, 19, 1),
+        "attend_chunk s0": lambda c, x: c.attend_chunk(chunk, 1, x, 1),
+        "attend_chunk window": lambda c, x: c.attend_chunk(chunk, 1, 19, 1, window=x),
+        "truncate_last": lambda c, x: c.truncate_last(x),
+        "trim_window": lambda c, x: c.trim_window(x, 1, 1),
+        "trim anchor": lambda c, x: c.trim_window_anchored(4, 1, 1, x),
+        "evict": lambda c, x: c.evict(x),
+        "evict_born": lambda c, x: c.evict_born(5, x, 1),
+        "seq_len": lambda c, x: setattr(c, "seq_len", x),
+        "install_bounded": lambda c, x: LayerKvCache(2, 4, KvMode.F32, be).install_bounded(x),
+        "o1_begin scale": lambda c, x: c.o1_begin(4, 2, 1, scale=x),
+        "LayerKvCache heads": lambda c, x: LayerKvCache(x, 4, KvMode.F32, be),
+        "LayerKvCache q8_exact_rows": lambda c, x: LayerKvCache(2, 4, KvMode.Q8, be, q8_exact_rows=x),
+        "LayerKvCache layer": lambda c, x: LayerKvCache(2, 4, KvMode.F32, be, layer=x),
+        "KvCache layers": lambda c, x: KvCache(x, 2, 4, 10, backend=be),
+        "KvCache evict": lambda c, x: KvCache(2, 2, 4, 10, backend=be).evict(x),
+        "bounded_step scale": lambda c, x: bstep(scale=x),
+        "bounded_step num_heads": lambda c, x: bstep(nh=x),
+    }
+
+
+@pytest.mark.parametrize("name", ["reference", "numba", "opencl"])
+def test_bad_arguments_raise_kvreg_errors_on_every_backend(name):
+    import kvreg
+
+    try:
+        be = kvreg.get_backend(name)
+    except KvregError as exc:
+        pytest.skip(str(exc))
+    wrong = []
+    for call_name, call in _calls(be).items():
+        for x in BAD_ARGS:
+            c = LayerKvCache(2, 4, KvMode.F32, be)
+            for i in range(20):
+                c.append(np.full(8, i * 0.1, np.float32), np.full(8, -i * 0.1, np.float32))
+            try:
+                call(c, x)
+            except KvregError:
+                pass
+            except Exception as exc:  # noqa: BLE001
+                wrong.append(f"{call_name}({x!r}): {type(exc).__name__}: {exc}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_geometry_past_any_model_is_refused():
+    with pytest.raises(ShapeError, match="2\\*\\*24"):
+        LayerKvCache(2**13, 2**12, KvMode.F32, "reference")
+    with pytest.raises(ShapeError, match="num_layers"):
+        KvCache(2**53, 2, 4, 10, backend="reference")
