@@ -364,6 +364,7 @@ class BoundedState:
         pairs = ((self.ring_k, snap.ring_k), (self.ring_v, snap.ring_v),
                  (self._undo_k, snap.undo_k), (self._undo_v, snap.undo_v))
         bad_len = not 0 <= snap.undo_len <= self.undo_depth
+        _count(snap.seen, "BoundedState.restore seen", minimum=0, maximum=MAX_SEEN)
         if bad_len or any(np.shape(b) != a.shape for a, b in pairs):
             raise ShapeError("BoundedState.restore: snapshot arrays do not match its geometry")
         np.copyto(self.ring_k, snap.ring_k)

@@ -291,3 +291,16 @@ def test_geometry_past_any_model_is_refused():
         LayerKvCache(2**13, 2**12, KvMode.F32, "reference")
     with pytest.raises(ShapeError, match="num_layers"):
         KvCache(2**53, 2, 4, 10, backend="reference")
+
+
+def test_a_hand_built_snapshot_past_2_53_is_refused_before_any_copy():
+    import dataclasses
+
+    from kvreg import ConfigError
+
+    ring = BoundedState(1, 4, 2)
+    ring.insert(np.ones(4, np.float32), np.ones(4, np.float32))
+    snap = dataclasses.replace(ring.snapshot(), seen=2**64 - 1, ring_k=np.full((1, 2, 4), 7, np.float32))
+    with pytest.raises(ConfigError, match="seen"):
+        ring.restore(snap)
+    assert ring.seen == 1 and ring.ring_k.max() == 1.0
