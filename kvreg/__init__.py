@@ -10,6 +10,7 @@ from .errors import (BackendError, ConfigError, KvregError, SealError, ShapeErro
 from .layer import LayerKvCache
 from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
 from .registry import backends, get_backend, refresh
+from .threads import get_num_threads, set_num_threads
 from .wire import WIRE_MAGIC, WIRE_VERSION, WireKind
 
 __version__ = "0.1.0"
@@ -17,5 +18,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError", "ConfigError", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
     "KvregError", "LayerKvCache", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
-    "WireError", "WireKind", "backends", "get_backend", "refresh", "__version__",
+    "WireError", "WireKind", "backends", "get_backend", "get_num_threads", "refresh", "set_num_threads",
+    "__version__",
 ]
