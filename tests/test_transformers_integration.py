@@ -1,0 +1,204 @@
+"""KvregCache inside real pretrained models (SmolLM2-135M, Gemma-3-270M).
+
+The reference is transformers' own DynamicCache with SDPA on the same model:
+greedy tokens must be identical in F32 on every installed backend, and a
+teacher-forced run must give the same log-probabilities.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import kvreg  # noqa: E402
+from kvreg import EvictionPolicy  # noqa: E402
+from kvreg.errors import ConfigError  # noqa: E402
+from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache  # noqa: E402
+from kvreg.models import load  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def lm(request):
+    model, tok = load(request.param)
+    return request.param, model, tok
+
+
+def _generate(model, inputs, cache, n=24):
+    with torch.no_grad():
+        return model.generate(**inputs, cache=cache, max_new_tokens=n, do_sample=False)
+
+
+def _teacher_forced_logp(model, ids, cache, prefix):
+    """Log-probabilities of ids[prefix:] fed one token at a time after a prefill."""
+    out = []
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True).logits[0, -1]
+        out.append(torch.log_softmax(logits.double(), -1))
+        for t in range(prefix, ids.shape[1] - 1):
+            logits = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
+            out.append(torch.log_softmax(logits.double(), -1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("backend", sorted(kvreg.backends()))
+def test_f32_greedy_tokens_equal_dynamic_cache(lm, backend):
+    name, model, tok = lm
+    inputs = tok(PROMPT, return_tensors="pt")
+    ref = _generate(model, inputs, DynamicCache(config=model.config))
+    cache = KvregCache(model, mode="f32", backend=backend)
+    got = _generate(model, inputs, cache)
+    assert cache.backend_name == backend
+    assert torch.equal(got, ref), f"{name} on {backend}: {tok.decode(got[0])!r} != {tok.decode(ref[0])!r}"
+    assert cache.get_seq_length() == got.shape[1] - 1   # the last token is never fed
+
+
+def test_past_key_values_keyword_works_too(lm):
+    name, model, tok = lm
+    inputs = tok(PROMPT, return_tensors="pt")
+    ref = _generate(model, inputs, DynamicCache(config=model.config), n=8)
+    with pytest.warns(FutureWarning), torch.no_grad():
+        got = model.generate(**inputs, past_key_values=KvregCache(model, mode="f32"), max_new_tokens=8,
+                             do_sample=False)
+    assert torch.equal(got, ref)
+
+
+def test_teacher_forced_logprobs_match_dynamic_cache_past_the_sliding_window(lm):
+    """Long enough that Gemma's sliding layers trim (window 512 + slack): the
+    log-probabilities stay those of DynamicCache, and the sliding layers hold
+    no more than window - 1 + SLIDING_SLACK rows."""
+    name, model, tok = lm
+    text = open(__file__).read() * 3
+    ids = tok(text, return_tensors="pt").input_ids[:, :700]
+    ref = _teacher_forced_logp(model, ids, DynamicCache(config=model.config), prefix=560)
+    cache = KvregCache(model, mode="f32")
+    got = _teacher_forced_logp(model, ids, cache, prefix=560)
+    nll_ref = -ref[torch.arange(len(ref)), ids[0, 560:]].mean()
+    nll_got = -got[torch.arange(len(got)), ids[0, 560:]].mean()
+    assert abs(float(torch.exp(nll_got) / torch.exp(nll_ref)) - 1) < 1e-4
+    assert float((got - ref).abs().max()) < 2e-3
+    layers = cache.sequences[0].layers
+    for w, layer in zip(cache.windows, layers):
+        if w is None:
+            assert layer.seq_len == ids.shape[1] - 1
+        else:
+            assert layer.seq_len <= w - 1 + SLIDING_SLACK
+    if name == "gemma3-270m":
+        assert any(w is not None and layer.seq_len < ids.shape[1] - 1 for w, layer in zip(cache.windows, layers))
+
+
+def test_batch_of_two_with_left_padding_equals_two_single_runs(lm):
+    name, model, tok = lm
+    prompts = [PROMPT, "The capital of France is"]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    assert not bool(batch.attention_mask.all()), "the prompts must differ in length"
+    cache = KvregCache(model, mode="f32")
+    got = _generate(model, batch, cache, n=16)
+    width = batch.input_ids.shape[1]
+    for i, p in enumerate(prompts):
+        single = tok(p, return_tensors="pt")
+        one = _generate(model, single, KvregCache(model, mode="f32"), n=16)
+        assert torch.equal(got[i, width:], one[0, single.input_ids.shape[1]:]), f"{name}: sequence {i}"
+    # Each sequence stores its own tokens only (no pad rows).
+    full = [w is None for w in cache.windows].index(True)
+    lens = [seq.layers[full].seq_len for seq in cache.sequences]
+    assert lens[0] != lens[1]
+
+
+def test_bf16_and_f16_models_run(lm):
+    import copy
+
+    name, model, tok = lm
+    inputs = tok(PROMPT, return_tensors="pt")
+    ref32 = _generate(model, inputs, DynamicCache(config=model.config), n=8)
+    for dtype in (torch.bfloat16, torch.float16):
+        m = copy.deepcopy(model).to(dtype)
+        ref = _generate(m, inputs, DynamicCache(config=m.config), n=8)
+        got = _generate(m, inputs, KvregCache(m, mode="f32"), n=8)
+        assert got.shape == ref.shape == ref32.shape
+        # kvreg attends in float32 where SDPA rounds to the model's 2-byte
+        # type, so later tokens may drift; the first one is the prompt's.
+        n_in = inputs.input_ids.shape[1]
+        assert got[0, n_in] == ref[0, n_in], (dtype, tok.decode(got[0]), tok.decode(ref[0]))
+
+
+def test_q8_generates_and_holds_quarter_of_f32_bytes(lm):
+    name, model, tok = lm
+    inputs = tok(PROMPT * 4, return_tensors="pt")
+    f32, q8 = KvregCache(model, mode="f32"), KvregCache(model, mode="q8")
+    ref = _generate(model, inputs, f32, n=8)
+    got = _generate(model, inputs, q8, n=8)
+    assert got.shape == ref.shape
+    assert q8.memory_bytes() < 0.4 * f32.memory_bytes()
+
+
+def test_born_budget_bounds_global_layers_and_positions_never_shrink(lm):
+    name, model, tok = lm
+    inputs = tok(PROMPT * 6, return_tensors="pt")
+    n_in = inputs.input_ids.shape[1]
+    budget = 48
+    cache = KvregCache(model, mode="f32", policy=EvictionPolicy.Born(sink=4), budget=budget)
+    out = _generate(model, inputs, cache, n=12)
+    assert cache.get_seq_length() == n_in + 11
+    for w, layer in zip(cache.windows, cache.sequences[0].layers):
+        if w is None:
+            assert layer.seq_len == budget
+    # The model's positions stayed absolute: the same run with the budget
+    # larger than the context is the plain cache, token for token.
+    wide = _generate(model, inputs, KvregCache(model, mode="f32", budget=n_in + 64), n=12)
+    assert torch.equal(wide, _generate(model, inputs, DynamicCache(config=model.config), n=12))
+    assert out.shape == wide.shape
+
+
+def test_o1_seal_runs_inside_generate_with_memory_constant_in_context(lm):
+    name, model, tok = lm
+    inputs = tok(PROMPT * 6, return_tensors="pt")
+    cache = KvregCache(model, mode="f32", o1=(8, 16, 4))
+    _generate(model, inputs, cache, n=4)
+    glob = [layer for w, layer in zip(cache.windows, cache.sequences[0].layers) if w is None]
+    assert glob and all(layer.o1_sealed() for layer in glob)
+    before = sum(layer.memory_bytes() for layer in glob)
+    with torch.no_grad():
+        for t in range(3):
+            model(input_ids=inputs.input_ids[:, t:t + 1], cache=cache, use_cache=True)
+    assert sum(layer.memory_bytes() for layer in glob) == before
+
+
+def test_refusals_name_what_is_supported(lm):
+    name, model, tok = lm
+    with pytest.raises(ConfigError, match="F32"):
+        KvregCache(model, mode="q8", o1=(16, 64, 4))
+    with pytest.raises(ConfigError, match="budget"):
+        KvregCache(model, policy=EvictionPolicy.Born(sink=4))
+    with pytest.raises(ConfigError, match="one of them"):
+        KvregCache(model, budget=64, o1=(16, 64, 4))
+    with pytest.raises(kvreg.ConfigError, match="accepted"):
+        KvregCache(model, mode="q3")
+
+
+def test_unsupported_model_family_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16))
+    with pytest.raises(ConfigError, match="llama"):
+        KvregCache(tiny)
+
+
+def test_readme_drop_in_runs_as_written():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    code = next(c for c in re.findall(r"```python\n(.*?)```", text, re.S) if "KvregCache(" in c)
+    env: dict = {"print": lambda *a: None}
+    exec(compile(code, "README.md", "exec"), env)
+    assert isinstance(env["cache"], KvregCache) and env["cache"].mode.value == "q8"
+    assert env["out"].shape[1] > env["inputs"]["input_ids"].shape[1]
