@@ -68,12 +68,17 @@ class NumbaBackend(ReferenceBackend):
         if device not in (None, "cpu"):
             raise BackendError(f"the numba backend runs on the CPU only, not on {device!r}")
         super().__init__("cpu")
+        from kvreg.threads import get_num_threads
+
+        get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
 
     def describe(self) -> str:
         import numba
+        from kvreg.threads import get_num_threads
 
-        return f"numba {numba.__version__} on cpu ({numba.get_num_threads()} threads)"
+        n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+        return f"numba {numba.__version__} on cpu ({n} threads: kvreg.get_num_threads())"
 
     def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
         if st.cap == 0 or int(st.lens[g]) == 0:

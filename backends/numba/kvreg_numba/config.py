@@ -31,6 +31,13 @@ TASK_CHUNK = 4
 #: FLOP/s at 64 / 128 / 256 / 512 rows.
 CHUNK_Q_TILE = 512
 
+#: Longest reduction handed to one BLAS call of the prefill chunk (hd for
+#: the scores, keys for the values): longer ones are sliced and the slices'
+#: products added in order, so the bits do not depend on BLAS's thread count
+#: (OpenBLAS 0.3.31 gave the same bits on 1 and 2 threads up to 384, not at
+#: 512 or 1000).
+GEMM_K_BLOCK = 256
+
 #: Cap on one tile's score matrix (``hpk * rows * keys * 4`` bytes): the
 #: tile shrinks (evenly) so long contexts do not allocate gigabytes.
 CHUNK_TILE_BYTES = 64 << 20
@@ -44,13 +51,17 @@ BOUNDED_BLOCK = 256
 #: GEMMs against them; 128 rows keep both panels and the logit block in L2.
 NYSTROM_PREFILL_ROWS = 128
 
-#: LLVM fast-math flags of the attention kernels. ``reassoc`` lets LLVM
-#: vectorize the dot products and sums; ``contract`` allows FMA. No flag that
-#: changes inf/NaN semantics (``nnan``/``ninf``): a -inf score must still give
-#: a probability of exactly 0. Reassociation is deterministic (one compiled
-#: loop, a trip count that depends only on the visible rows), so the bit-exact
-#: invariants still hold. Quantization never uses fast-math (exact class).
-FASTMATH = frozenset({"reassoc", "contract", "nsz", "arcp", "afn"})
+#: LLVM fast-math flags of the kernels: none. Any fast-math flag lets LLVM
+#: pick a different evaluation order or fuse a multiply-add depending on
+#: what it sees (inlining, a callee loaded from the on-disk cache rather
+#: than compiled fresh): a cold process and a warm one then disagreed in the
+#: last bits (up to 2.4e-7, enough to flip a greedy token). Without them
+#: every result is the source's IEEE arithmetic, so the bits are the same
+#: cold or warm, on 1 or N threads, on any vector width. The speed comes
+#: from explicit code instead: fixed-order lane reductions
+#: (:func:`kvreg_numba.kernels._dot` / ``_sum``) and elementwise loops the
+#: vectorizer takes without reassociation.
+FASTMATH = frozenset()
 
 #: Cache compiled kernels on disk (``__pycache__`` beside kernels.py), so a
 #: second process starts warm. ``KVREG_NUMBA_CACHE=0`` turns it off.

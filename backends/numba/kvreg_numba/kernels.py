@@ -20,12 +20,16 @@ the visible rows only, which is what makes the kernel contract's invariants
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, set_parallel_chunksize
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+from kvreg.threads import threads_for
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -63,6 +67,158 @@ def _f32_from_bits(typingctx, x):
     return sig, codegen
 
 
+#: Lanes of the fixed-order reductions (:func:`_dot`, :func:`_sum`): lane
+#: ``j`` sums the elements ``j, j + 16, ...``, then the lanes are added in a
+#: fixed tree and the short tail in order. Elementwise vector IEEE
+#: arithmetic with no fast-math flag, so the bits do not depend on the
+#: target's vector width, on inlining, or on a fresh versus a cached compile.
+LANES = 16
+
+
+def _ir_fma(builder, a, b, c):
+    """``llvm.fma`` on scalars or vectors (rounded once, never approximated)."""
+    t = a.type
+    name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
+    return builder.call(fn, [a, b, c])
+
+
+def _lane_reduce(builder, xs, ys):
+    """IR of the fixed-order reductions over 1-D contiguous float32 arrays
+    of the length of ``xs[0]``: ``sum_i x[i] * y[i]`` for every pair of
+    ``xs`` x ``ys`` (x-major), or ``sum_i x[i]`` per ``x`` when ``ys`` is
+    None. Every result takes the same operations: lane ``j`` of a
+    :data:`LANES`-wide accumulator sums elements ``j, j + LANES, ...`` in
+    order by fused multiply-adds (one load of each operand shared by every
+    pair), the lanes are
+    added in a fixed tree, then the tail elements in order. So a dot is the
+    same bits whichever batch computes it."""
+    f32 = ir.FloatType()
+    vt = ir.VectorType(f32, LANES)
+    i32 = ir.IntType(32)
+    n = builder.extract_value(xs[0].shape, 0)
+    intp = n.type
+    pairs = [(a, b) for a in range(len(xs)) for b in range(len(ys))] if ys is not None else \
+        [(a, None) for a in range(len(xs))]
+    nvec = builder.sdiv(n, ir.Constant(intp, LANES))
+    accs = [cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * LANES)) for _ in pairs]
+    with cgutils.for_range(builder, nvec) as loop:
+        off = builder.mul(loop.index, ir.Constant(intp, LANES))
+
+        def vload(arr):
+            return builder.load(builder.bitcast(builder.gep(arr.data, [off]), vt.as_pointer()), align=4)
+
+        vx = [vload(x) for x in xs]
+        vy = [vload(y) for y in ys] if ys is not None else None
+        for acc, (a, b) in zip(accs, pairs):
+            if b is None:
+                builder.store(builder.fadd(builder.load(acc), vx[a]), acc)
+            else:
+                builder.store(_ir_fma(builder, vx[a], vy[b], builder.load(acc)), acc)
+    totals = []
+    for acc in accs:
+        v = builder.load(acc)
+        width = LANES
+        while width > 1:  # (low half + high half) until one lane: a fixed tree
+            width //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+            v = builder.fadd(lo, hi)
+        totals.append(cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(i32, 0))))
+    start = builder.mul(nvec, ir.Constant(intp, LANES))
+    with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (i, _):
+        sx = [builder.load(builder.gep(x.data, [i])) for x in xs]
+        sy = [builder.load(builder.gep(y.data, [i])) for y in ys] if ys is not None else None
+        for tot, (a, b) in zip(totals, pairs):
+            if b is None:
+                builder.store(builder.fadd(builder.load(tot), sx[a]), tot)
+            else:
+                builder.store(_ir_fma(builder, sx[a], sy[b], builder.load(tot)), tot)
+    return [builder.load(t) for t in totals]
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (llvm.fma): an explicit IEEE operation, so
+    unlike fast-math contraction it is the same bits on every compile and
+    every CPU (one instruction where the CPU has FMA)."""
+    if not all(t == types.float32 for t in (a, b, c)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _ir_fma(builder, *args)
+
+    return types.float32(a, b, c), codegen
+
+
+def _f32_vector(t):
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
+
+
+def _arrays(context, builder, tys, vals):
+    return [context.make_array(t)(context, builder, v) for t, v in zip(tys, vals)]
+
+
+@intrinsic
+def _dot(typingctx, a, b):
+    """``<a, b>`` of two contiguous 1-D float32 arrays of equal length, in the
+    fixed order of :func:`_lane_reduce`; the caller guarantees contiguity
+    and lengths."""
+    if not (_f32_vector(a) and _f32_vector(b)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        x, y = _arrays(context, builder, signature.args, args)
+        return _lane_reduce(builder, [x], [y])[0]
+
+    return types.float32(a, b), codegen
+
+
+@intrinsic
+def _dot4x4(typingctx, q0, q1, q2, q3, k0, k1, k2, k3):
+    """The 16 dots ``<q_i, k_j>`` (``i``-major) with each q and k lane chunk
+    loaded once: the same bits as 16 :func:`_dot` calls, 4x fewer loads."""
+    args = (q0, q1, q2, q3, k0, k1, k2, k3)
+    if not all(_f32_vector(t) for t in args):
+        return None
+
+    def codegen(context, builder, signature, vals):
+        arrs = _arrays(context, builder, signature.args, vals)
+        out = _lane_reduce(builder, arrs[:4], arrs[4:])
+        return context.make_tuple(builder, signature.return_type, out)
+
+    return types.UniTuple(types.float32, 16)(*args), codegen
+
+
+@intrinsic
+def _dot4x1(typingctx, q0, q1, q2, q3, k0):
+    """The 4 dots ``<q_i, k0>``, each k lane chunk loaded once: the same
+    bits as 4 :func:`_dot` calls."""
+    args = (q0, q1, q2, q3, k0)
+    if not all(_f32_vector(t) for t in args):
+        return None
+
+    def codegen(context, builder, signature, vals):
+        arrs = _arrays(context, builder, signature.args, vals)
+        out = _lane_reduce(builder, arrs[:4], arrs[4:])
+        return context.make_tuple(builder, signature.return_type, out)
+
+    return types.UniTuple(types.float32, 4)(*args), codegen
+
+
+@intrinsic
+def _sum(typingctx, a):
+    """Sum of a contiguous 1-D float32 array in the fixed order of :func:`_lane_reduce`."""
+    if not _f32_vector(a):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x,) = _arrays(context, builder, signature.args, args)
+        return _lane_reduce(builder, [x], None)[0]
+
+    return types.float32(a), codegen
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -72,19 +228,21 @@ _EXP_LO = np.float32(-87.0)
 @njit(nogil=True, cache=_CACHE, fastmath=_FM, inline="always")
 def fexp(x):
     """exp(x) for float32 ``x <= 0`` (softmax arguments): Cody-Waite range
-    reduction, a degree-6 polynomial and 2^n built from its bits; within
+    reduction, a degree-6 polynomial (explicit fused multiply-adds, the
+    same bits on every compile) and 2^n built from its bits; within
     3e-7 relative of exp. Results below 2^-126 (x < -87) flush to 0, -inf
     gives exactly 0. Pure arithmetic and selects, so LLVM vectorizes it."""
     xc = max(x, _EXP_LO)
     n = np.floor(xc * _LOG2E + np.float32(0.5))
-    r = xc - n * _LN2_HI - n * _LN2_LO
+    r = _fma(-n, _LN2_HI, xc)
+    r = _fma(-n, _LN2_LO, r)
     p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1.0)
+    p = _fma(p, r, np.float32(1.3981999507e-3))
+    p = _fma(p, r, np.float32(8.3334519073e-3))
+    p = _fma(p, r, np.float32(4.1665795894e-2))
+    p = _fma(p, r, np.float32(1.6666665459e-1))
+    p = _fma(p, r, np.float32(5.0000001201e-1))
+    p = _fma(p * r, r, r) + np.float32(1.0)
     y = p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
     return y if x >= _EXP_LO else _ZERO
 
@@ -138,53 +296,66 @@ def _dequant_k_rows(kq, ks, g, p0, nr, buf):
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _scores(qg, row0, nheads, kb, nr, scale, E, col):
-    """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``.
+    """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``, one K
+    row at a time (rows streamed from memory: F32 K, the ring), four heads
+    per :func:`_dot4x1`.
 
-    Four rows per head per sweep: q is loaded once for four independent FMA
-    chains. Whether a row takes the 4-row or the 1-row form depends only on
-    its place in its block (sub-blocks are multiples of 4 rows), and blocks
-    are anchored at `first`, so every invariant call pair computes each
-    score with the same code."""
-    hd = qg.shape[1]
-    r = 0
-    while r + 4 <= nr:
+    Every dot takes the same fixed-order lane arithmetic whichever form
+    computes it (:func:`_lane_reduce`), so a head's score is the same bits
+    whatever the head count, the row's place in its block, the thread count
+    or the compile (grouped == per-head, cold == warm)."""
+    h4 = nheads - nheads % 4
+    for r in range(nr):
+        k0 = kb[r]
+        for h in range(0, h4, 4):
+            d = _dot4x1(qg[row0 + h], qg[row0 + h + 1], qg[row0 + h + 2], qg[row0 + h + 3], k0)
+            E[h, col + r] = d[0] * scale
+            E[h + 1, col + r] = d[1] * scale
+            E[h + 2, col + r] = d[2] * scale
+            E[h + 3, col + r] = d[3] * scale
+        for h in range(h4, nheads):
+            E[h, col + r] = _dot(qg[row0 + h], k0) * scale
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _scores_h4(qg, row0, nheads, kb, nr, scale, E, col):
+    """:func:`_scores` for rows already in L1 (the dequantized q8 K rows):
+    four heads by four rows per :func:`_dot4x4`, each K and q chunk loaded
+    once for sixteen dots (on rows streamed from memory the four row streams
+    measured slower than :func:`_scores`). The same bits as :func:`_scores`."""
+    h4 = nheads - nheads % 4
+    r4 = nr - nr % 4
+    for r in range(0, r4, 4):
         k0 = kb[r]
         k1 = kb[r + 1]
         k2 = kb[r + 2]
         k3 = kb[r + 3]
-        for h in range(nheads):
+        for h in range(0, h4, 4):
+            d = _dot4x4(qg[row0 + h], qg[row0 + h + 1], qg[row0 + h + 2], qg[row0 + h + 3], k0, k1, k2, k3)
+            for i in range(4):
+                e = E[h + i, col + r:col + r + 4]
+                e[0] = d[4 * i] * scale
+                e[1] = d[4 * i + 1] * scale
+                e[2] = d[4 * i + 2] * scale
+                e[3] = d[4 * i + 3] * scale
+        for h in range(h4, nheads):
             qh = qg[row0 + h]
-            a0 = _ZERO
-            a1 = _ZERO
-            a2 = _ZERO
-            a3 = _ZERO
-            for d in range(hd):
-                x = qh[d]
-                a0 += x * k0[d]
-                a1 += x * k1[d]
-                a2 += x * k2[d]
-                a3 += x * k3[d]
-            e = E[h, col + r:col + r + 4]
-            e[0] = a0 * scale
-            e[1] = a1 * scale
-            e[2] = a2 * scale
-            e[3] = a3 * scale
-        r += 4
-    while r < nr:
+            E[h, col + r] = _dot(qh, k0) * scale
+            E[h, col + r + 1] = _dot(qh, k1) * scale
+            E[h, col + r + 2] = _dot(qh, k2) * scale
+            E[h, col + r + 3] = _dot(qh, k3) * scale
+    for r in range(r4, nr):
         k0 = kb[r]
         for h in range(nheads):
-            qh = qg[row0 + h]
-            a0 = _ZERO
-            for d in range(hd):
-                a0 += qh[d] * k0[d]
-            E[h, col + r] = a0 * scale
-        r += 1
+            E[h, col + r] = _dot(qg[row0 + h], k0) * scale
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _accumulate(E, nheads, col, vb, nr, acc_out):
     """``acc_out[h] += sum_r E[h, col+r] * vb[r]``, four rows per sweep
-    of the accumulator (a quarter of its load/store traffic)."""
+    of the accumulator (a quarter of its load/store traffic). One fused
+    multiply-add per row in row order, in the 4-row sweep as in the 1-row
+    one: a row's place in its block does not change the bits."""
     hd = vb.shape[1]
     r = 0
     while r + 4 <= nr:
@@ -200,7 +371,7 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
             w3 = e[3]
             a = acc_out[h]
             for d in range(hd):
-                a[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+                a[d] = _fma(w3, v3[d], _fma(w2, v2[d], _fma(w1, v1[d], _fma(w0, v0[d], a[d]))))
         r += 4
     while r < nr:
         v0 = vb[r]
@@ -208,126 +379,15 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
             w0 = E[h, col + r]
             a = acc_out[h]
             for d in range(hd):
-                a[d] += w0 * v0[d]
+                a[d] = _fma(w0, v0[d], a[d])
         r += 1
 
 
-@njit(nogil=True, cache=_CACHE, fastmath=_FM)
-def _scores_h4(qg, row0, nheads, kb, nr, scale, E, col):
-    """``E[h, col+r] = scale * <qg[row0+h], kb[r]>`` for ``r < nr``.
-
-    Four heads by four rows per sweep: each K and q vector is loaded once
-    for sixteen independent FMA chains. A short last chunk of heads repeats
-    its last head (the duplicate dots are written twice, same value), so
-    every head's dot always comes out of the same compiled loop, in the same
-    accumulator layout, whatever the head count of the call (grouped ==
-    per-head bit for bit). Whether a row takes the 4-row or the 1-row form
-    depends only on its place in its block (sub-blocks are multiples of 4
-    rows), and blocks are anchored at `first`, so every invariant call pair
-    computes each score with the same code."""
-    hd = qg.shape[1]
-    last = nheads - 1
-    for h0 in range(0, nheads, 4):
-        ha = h0
-        hb = min(h0 + 1, last)
-        hc = min(h0 + 2, last)
-        hx = min(h0 + 3, last)
-        qa = qg[row0 + ha]
-        qb = qg[row0 + hb]
-        qc = qg[row0 + hc]
-        qx = qg[row0 + hx]
-        r = 0
-        while r + 4 <= nr:
-            k0 = kb[r]
-            k1 = kb[r + 1]
-            k2 = kb[r + 2]
-            k3 = kb[r + 3]
-            a0 = _ZERO
-            a1 = _ZERO
-            a2 = _ZERO
-            a3 = _ZERO
-            b0 = _ZERO
-            b1 = _ZERO
-            b2 = _ZERO
-            b3 = _ZERO
-            c0 = _ZERO
-            c1 = _ZERO
-            c2 = _ZERO
-            c3 = _ZERO
-            x0 = _ZERO
-            x1 = _ZERO
-            x2 = _ZERO
-            x3 = _ZERO
-            for d in range(hd):
-                y0 = k0[d]
-                y1 = k1[d]
-                y2 = k2[d]
-                y3 = k3[d]
-                u = qa[d]
-                a0 += u * y0
-                a1 += u * y1
-                a2 += u * y2
-                a3 += u * y3
-                u = qb[d]
-                b0 += u * y0
-                b1 += u * y1
-                b2 += u * y2
-                b3 += u * y3
-                u = qc[d]
-                c0 += u * y0
-                c1 += u * y1
-                c2 += u * y2
-                c3 += u * y3
-                u = qx[d]
-                x0 += u * y0
-                x1 += u * y1
-                x2 += u * y2
-                x3 += u * y3
-            e = E[hx, col + r:col + r + 4]
-            e[0] = x0 * scale
-            e[1] = x1 * scale
-            e[2] = x2 * scale
-            e[3] = x3 * scale
-            e = E[hc, col + r:col + r + 4]
-            e[0] = c0 * scale
-            e[1] = c1 * scale
-            e[2] = c2 * scale
-            e[3] = c3 * scale
-            e = E[hb, col + r:col + r + 4]
-            e[0] = b0 * scale
-            e[1] = b1 * scale
-            e[2] = b2 * scale
-            e[3] = b3 * scale
-            e = E[ha, col + r:col + r + 4]
-            e[0] = a0 * scale
-            e[1] = a1 * scale
-            e[2] = a2 * scale
-            e[3] = a3 * scale
-            r += 4
-        while r < nr:
-            k0 = kb[r]
-            a0 = _ZERO
-            b0 = _ZERO
-            c0 = _ZERO
-            x0 = _ZERO
-            for d in range(hd):
-                y0 = k0[d]
-                a0 += qa[d] * y0
-                b0 += qb[d] * y0
-                c0 += qc[d] * y0
-                x0 += qx[d] * y0
-            E[hx, col + r] = x0 * scale
-            E[hc, col + r] = c0 * scale
-            E[hb, col + r] = b0 * scale
-            E[ha, col + r] = a0 * scale
-            r += 1
-
-
 #: The value pass is elementwise over channels: it vectorizes without
-#: reassociation, and without it every output element's arithmetic is the
-#: source expression, so the four-head sweep and the one-head sweep give a
-#: head the same bits.
-_FM_ACC = _FM - {"reassoc"}
+#: reassociation, and every output element's arithmetic is the source
+#: expression, so the four-head sweep and the one-head sweep give a head the
+#: same bits.
+_FM_ACC = _FM
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM_ACC)
@@ -354,7 +414,7 @@ def _acc1(a, ea, col, vb, nr, vsc, vrow0):
             y1 = np.float32(v1[d])
             y2 = np.float32(v2[d])
             y3 = np.float32(v3[d])
-            a[d] = a[d] + (((wa0 * y0 + wa1 * y1) + wa2 * y2) + wa3 * y3)
+            a[d] = _fma(wa3, y3, _fma(wa2, y2, _fma(wa1, y1, _fma(wa0, y0, a[d]))))
         r += 4
     while r < nr:
         v0 = vb[r]
@@ -362,7 +422,7 @@ def _acc1(a, ea, col, vb, nr, vsc, vrow0):
         if vsc.shape[0] > 0:
             wa0 *= vsc[vrow0 + r]
         for d in range(hd):
-            a[d] = a[d] + wa0 * np.float32(v0[d])
+            a[d] = _fma(wa0, np.float32(v0[d]), a[d])
         r += 1
 
 
@@ -432,10 +492,10 @@ def _accumulate_q8(E, nheads, col, vb, nr, acc_out, vsc, vrow0):
                 y1 = np.float32(v1[d])
                 y2 = np.float32(v2[d])
                 y3 = np.float32(v3[d])
-                aa[d] = aa[d] + (((wa0 * y0 + wa1 * y1) + wa2 * y2) + wa3 * y3)
-                ab[d] = ab[d] + (((wb0 * y0 + wb1 * y1) + wb2 * y2) + wb3 * y3)
-                ac[d] = ac[d] + (((wc0 * y0 + wc1 * y1) + wc2 * y2) + wc3 * y3)
-                ax[d] = ax[d] + (((wx0 * y0 + wx1 * y1) + wx2 * y2) + wx3 * y3)
+                aa[d] = _fma(wa3, y3, _fma(wa2, y2, _fma(wa1, y1, _fma(wa0, y0, aa[d]))))
+                ab[d] = _fma(wb3, y3, _fma(wb2, y2, _fma(wb1, y1, _fma(wb0, y0, ab[d]))))
+                ac[d] = _fma(wc3, y3, _fma(wc2, y2, _fma(wc1, y1, _fma(wc0, y0, ac[d]))))
+                ax[d] = _fma(wx3, y3, _fma(wx2, y2, _fma(wx1, y1, _fma(wx0, y0, ax[d]))))
             r += 4
         while r < nr:
             v0 = vb[r]
@@ -451,10 +511,10 @@ def _accumulate_q8(E, nheads, col, vb, nr, acc_out, vsc, vrow0):
                 wx0 *= s0
             for d in range(hd):
                 y0 = np.float32(v0[d])
-                aa[d] = aa[d] + wa0 * y0
-                ab[d] = ab[d] + wb0 * y0
-                ac[d] = ac[d] + wc0 * y0
-                ax[d] = ax[d] + wx0 * y0
+                aa[d] = _fma(wa0, y0, aa[d])
+                ab[d] = _fma(wb0, y0, ab[d])
+                ac[d] = _fma(wc0, y0, ac[d])
+                ax[d] = _fma(wx0, y0, ax[d])
             r += 1
         h0 += 4
     for h in range(h0, nheads):
@@ -514,13 +574,12 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
             nan |= x != x
         if nan:
             m = np.float32(np.nan)
-        lsum = _ZERO
+        # exp elementwise (vectorizes without fast-math), then a
+        # fixed-order sum
         for r in range(nr):
-            x = fexp(e[r] - m)
-            e[r] = x
-            lsum += x
+            e[r] = fexp(e[r] - m)
         m_out[h] = m
-        l_out[h] = lsum
+        l_out[h] = _sum(e)
         for d in range(hd):
             acc_out[h, d] = _ZERO
     if vquant:
@@ -727,11 +786,12 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
         for j in range(lo):
             x[j] = _ZERO
         seg = x[lo:end]
+        for j in range(end - lo):
+            seg[j] = seg[j] * scale
         mx = _NEG_INF
         nan = False
         for j in range(end - lo):
-            v = seg[j] * scale
-            seg[j] = v
+            v = seg[j]
             if v > mx:
                 mx = v
             nan |= v != v
@@ -744,11 +804,9 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
             for j in range(nk - end):
                 tail[j] = _ZERO
             continue
-        z = _ZERO
         for j in range(end - lo):
-            e = fexp(seg[j] - mx)
-            seg[j] = e
-            z += e
+            seg[j] = fexp(seg[j] - mx)
+        z = _sum(seg)
         if z > 0:
             inv = np.float32(1.0) / z
             for j in range(end - lo):
@@ -876,17 +934,42 @@ def _scratch(nfloats):
     return buf
 
 
-def _run(*args):
+@contextmanager
+def thread_budget(nbytes):
+    """Run the parallel kernels inside on kvreg's thread budget
+    (:func:`kvreg.threads.threads_for` of the ``nbytes`` of K/V rows they
+    read: one thread for small work). ``numba.set_num_threads`` is per
+    calling thread, so a host's own numba code keeps its setting. The bits
+    do not depend on the count (every reduction has a fixed order)."""
+    want = max(1, min(threads_for(int(nbytes)), numba.config.NUMBA_NUM_THREADS))
+    old = numba.get_num_threads()
+    if want == old:
+        yield
+        return
+    numba.set_num_threads(want)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old)
+
+
+def _rows_bytes(firsts, ns, hd, kquant, vquant):
+    rows = int(np.where(ns > 0, ns - firsts, 0).sum())
+    return rows * hd * ((1 if kquant else 4) + (1 if vquant else 4))
+
+
+def _run(nbytes, *args):
     # Dynamic scheduling (config.TASK_CHUNK tasks at a time): a thread that
     # loses its core on a shared machine, or draws a short group, no longer
     # stalls the others. Every task writes its own slot and the merge runs
     # in block order, so the schedule cannot change a bit. Set from Python:
     # inside a kernel it would make the kernel uncacheable.
-    old = set_parallel_chunksize(config.TASK_CHUNK)
-    try:
-        attend_groups(*args)
-    finally:
-        set_parallel_chunksize(old)
+    with thread_budget(nbytes):
+        old = set_parallel_chunksize(config.TASK_CHUNK)
+        try:
+            attend_groups(*args)
+        finally:
+            set_parallel_chunksize(old)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
@@ -915,7 +998,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
         out = np.empty((nh, hd), np.float32)
     n = n.astype(np.int64)
     block = int(block or config.DECODE_BLOCK)
-    _run(q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
+    _run(_rows_bytes(firsts, n, hd, k is None, v is None), q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
@@ -938,10 +1021,30 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     firsts = np.array([f], np.int64)
     ns = np.array([n], np.int64)
     block = int(block or config.DECODE_BLOCK)
-    _run(q_group, nheads, np.array([g], np.int64), firsts, ns,
+    _run(_rows_bytes(firsts, ns, hd, k is None, v is None), q_group, nheads, np.array([g], np.int64), firsts, ns,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
+    return out
+
+
+def _gemm_fixed(a, b):
+    """``a @ b`` (float32 BLAS) with the reduction cut into
+    ``config.GEMM_K_BLOCK``-long slices whose products are added in order.
+    OpenBLAS sums a long reduction in a thread-count dependent order (its
+    single-threaded small-matrix path and its threaded path split it
+    differently): at ``a [1200, 1000] @ b [1000, 128]`` one and two threads
+    differed in the last bits. Slices no longer than its K block give the
+    same bits on any thread count (tests/test_numba_determinism.py)."""
+    kb = int(config.GEMM_K_BLOCK)
+    n = a.shape[1]
+    if n <= kb:
+        return a @ b
+    out = a[:, :kb] @ b[:kb]
+    part = np.empty_like(out)
+    for c in range(kb, n, kb):
+        np.matmul(a[:, c:c + kb], b[c:c + kb], out=part)
+        out += part
     return out
 
 
@@ -973,11 +1076,12 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
             klo = max(0, s0 + i0 + 1 - w) if w else 0
             khi = s0 + i0 + bt
             panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
-            S = panel @ k[g, klo:khi].T
-            chunk_softmax(S, scale, s0, i0, bt, klo, w)
+            S = _gemm_fixed(panel, k[g, klo:khi].T)
+            with thread_budget(S.nbytes):
+                chunk_softmax(S, scale, s0, i0, bt, klo, w)
             vt = v[g, klo:khi]
             if _all_finite(vt):
-                o = S @ vt
+                o = _gemm_fixed(S, vt)
             else:
                 # 0 * NaN: a NaN/inf value row would reach through the GEMM
                 # the tile rows that cannot see it; sum visible keys only.

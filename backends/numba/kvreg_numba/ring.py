@@ -31,6 +31,7 @@ from .kernels import (
     fexp,
     partial_slabs,
     task_grid,
+    thread_budget,
 )
 
 _FM = set(config.FASTMATH)
@@ -193,10 +194,11 @@ def bounded_attend(q32, ring_k, ring_v, seen, sk, sv, gws, rope, scale, *, block
     buf = _scratch(2 * table + ntask * hpk * (block + 2 + hd))
     tcos = buf[:table].reshape(n_max, half)
     tsin = buf[table:2 * table].reshape(n_max, half)
-    _ring_tables(np.cos(a), np.sin(a), c0, s0, n_max, tcos, tsin)
     out = np.empty((nh, hd), np.float32)
-    bounded_kernel(q32, np.ascontiguousarray(qcos[0]), np.ascontiguousarray(qsin[0]),
-                   np.ascontiguousarray(ring_k), np.ascontiguousarray(ring_v), start, n_max,
-                   firsts, tcos, tsin, np.ascontiguousarray(sk), np.ascontiguousarray(sv),
-                   np.float32(scale), block, out, buf[2 * table:])
+    with thread_budget(int((n_max - firsts).sum()) * hd * 8):  # K and V ring rows read
+        _ring_tables(np.cos(a), np.sin(a), c0, s0, n_max, tcos, tsin)
+        bounded_kernel(q32, np.ascontiguousarray(qcos[0]), np.ascontiguousarray(qsin[0]),
+                       np.ascontiguousarray(ring_k), np.ascontiguousarray(ring_v), start, n_max,
+                       firsts, tcos, tsin, np.ascontiguousarray(sk), np.ascontiguousarray(sv),
+                       np.float32(scale), block, out, buf[2 * table:])
     return out

@@ -17,6 +17,7 @@ step uploads only the slot it wrote.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -31,6 +32,17 @@ from . import nystrom as _nystrom
 from .mirror import DeviceMirror
 
 
+def _pocl_threads() -> None:
+    """Hand kvreg's thread budget to PoCL's CPU device. PoCL reads
+    POCL_MAX_PTHREAD_COUNT once, when the process first opens its platform,
+    so this must run before any device query; a value the host set itself
+    wins (docs/threads.md)."""
+    if "POCL_MAX_PTHREAD_COUNT" not in os.environ:
+        from kvreg.threads import get_num_threads
+
+        os.environ["POCL_MAX_PTHREAD_COUNT"] = str(get_num_threads())
+
+
 class OpenCLBackend(ReferenceBackend):
     name = "opencl"
     priority = 10
@@ -40,6 +52,7 @@ class OpenCLBackend(ReferenceBackend):
     native_q8_chunk = True
 
     def __init__(self, device: str | None = None):
+        _pocl_threads()
         self._dev = _device.get_device(device)
         super().__init__(self._dev.info.selector)
         self._mirrors: "weakref.WeakKeyDictionary[object, DeviceMirror]" = weakref.WeakKeyDictionary()
@@ -71,11 +84,13 @@ class OpenCLBackend(ReferenceBackend):
     def devices(cls) -> list[str]:
         """``"p:d"`` per OpenCL device (a spec the constructor accepts);
         BackendError (with the install hint) when there is none."""
+        _pocl_threads()
         return [d.selector for d in _device.list_devices()]
 
     @classmethod
     def device_labels(cls) -> list[str]:
         """``"p:d name (KIND)"`` per OpenCL device, for ``kvreg info``."""
+        _pocl_threads()
         return [f"{d.selector} {d.name} ({d.kind})" for d in _device.list_devices()]
 
     def mirror(self, st) -> DeviceMirror:

@@ -1,0 +1,84 @@
+"""Run by test_numba_determinism.py in a subprocess: prints, as JSON, the
+SHA-256 of the bits of attend_layer (F32 and q8, with importance, window,
+soft-cap and sinks) and attend_chunk outputs at numba thread counts 1 and 2.
+
+``python _determinism_probe.py f32`` runs the F32 decode only, so a later
+process compiles the q8 and chunk specializations fresh against callees
+already in the on-disk cache (the state a first q8 run after install is in).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numba  # noqa: E402
+
+from kvreg_numba import kernels as K  # noqa: E402
+
+
+def digest(*arrays) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def inputs():
+    rng = np.random.default_rng(7)
+    nkv, hpk, hd, n = 4, 4, 128, 5000  # 3 decode blocks of 2048 rows
+    k = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    v = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    q = rng.standard_normal((nkv * hpk, hd), dtype=np.float32)
+    lens = np.array([n, n - 7, n - 1000, 3], np.int64)  # ragged heads
+    nocol = np.empty((0, hd), np.float32)
+    kq, ks = K.quantize_rows(k.reshape(-1, hd), nocol, 32)
+    vq, vs = K.quantize_rows(v.reshape(-1, hd), nocol, hd)
+    q8 = dict(kq=kq.reshape(nkv, n, hd), ks=ks.reshape(nkv, n, -1), vq=vq.reshape(nkv, n, hd),
+              vs=vs.reshape(nkv, n), kcol=(1 + rng.random((nkv, hd))).astype(np.float32),
+              kcol_set=np.ones(nkv, bool), vcol=(1 + rng.random((nkv, hd))).astype(np.float32),
+              vcol_set=np.ones(nkv, bool))
+    qc = rng.standard_normal((300, nkv * hpk, hd), dtype=np.float32)
+    sinks = rng.standard_normal(nkv * hpk).astype(np.float32)
+    return k, v, q, lens, q8, qc, sinks, hpk
+
+
+def run(which: str) -> dict:
+    k, v, q, lens, q8, qc, sinks, hpk = inputs()
+    n = k.shape[1]
+    res = {}
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        imp = np.zeros(n, np.float32)
+        o1 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp)
+        o2 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, window=3000, softcap=30.0, sinks=sinks)
+        res[f"f32 threads={threads}"] = digest(o1, imp, o2)
+        if which == "f32":
+            continue
+        imp = np.zeros(n, np.float32)
+        o1 = K.attend_layer(q, lens, scale=0.088, imp=imp, **q8)
+        o2 = K.attend_layer(q, lens, scale=0.088, window=2500, softcap=20.0, sinks=sinks, **q8)
+        res[f"q8 threads={threads}"] = digest(o1, imp, o2)
+        s0, b = 700, qc.shape[0]
+        imp = np.zeros(s0 + b, np.float32)
+        o1 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, imp=imp)
+        o2 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, window=256)
+        res[f"chunk threads={threads}"] = digest(o1, imp, o2)
+    # call history: the same call again after others of other shapes
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    K.attend_layer(q[:8], lens[:2] // 2, k=k[:2], v=v[:2], scale=0.5)
+    imp = np.zeros(n, np.float32)
+    o1 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp)
+    o2 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, window=3000, softcap=30.0, sinks=sinks)
+    res["f32 after other calls"] = digest(o1, imp, o2)
+    return res
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1] if len(sys.argv) > 1 else "all")))

@@ -1,0 +1,64 @@
+"""kvreg-numba runs its parallel kernels on kvreg's thread budget
+(kvreg.threads): small work on one thread, the caller's numba setting
+restored after every call, the same bits on any count."""
+
+import numba
+import numpy as np
+import pytest
+
+import kvreg
+from kvreg import threads
+from kvreg_numba import kernels as K
+
+
+@pytest.fixture(autouse=True)
+def _budget(monkeypatch):
+    monkeypatch.delenv("KVREG_THREADS", raising=False)
+    yield
+    kvreg.set_num_threads(None)
+
+
+def test_the_budget_sets_numba_threads_inside_and_restores_them_after():
+    kvreg.set_num_threads(1)
+    before = numba.get_num_threads()
+    with K.thread_budget(1 << 40):
+        assert numba.get_num_threads() == 1
+    assert numba.get_num_threads() == before
+
+
+def test_small_work_runs_on_one_thread_whatever_the_budget():
+    kvreg.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    with K.thread_budget(threads.SMALL_WORK_BYTES - 1):
+        assert numba.get_num_threads() == 1
+    with K.thread_budget(threads.SMALL_WORK_BYTES):
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+
+
+def test_a_budget_above_numbas_pool_is_clamped_to_it():
+    kvreg.set_num_threads(numba.config.NUMBA_NUM_THREADS + 7)
+    with K.thread_budget(1 << 40):
+        assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
+
+
+def test_decode_answers_the_same_bits_on_every_budget(monkeypatch):
+    monkeypatch.setattr(threads, "SMALL_WORK_BYTES", 0)
+    rng = np.random.default_rng(3)
+    nkv, hpk, hd, n = 2, 4, 64, 300
+    k = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    v = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    q = rng.standard_normal((nkv * hpk, hd), dtype=np.float32)
+    outs = []
+    for t in (1, 2, 3):
+        kvreg.set_num_threads(t)
+        imp = np.zeros(n, np.float32)
+        outs.append((K.attend_layer(q, np.full(nkv, n), k=k, v=v, scale=0.1, imp=imp, block=32), imp))
+    for out, imp in outs[1:]:
+        assert out.tobytes() == outs[0][0].tobytes() and imp.tobytes() == outs[0][1].tobytes()
+
+
+def test_a_bad_kvreg_threads_fails_the_backend_with_a_config_error(monkeypatch):
+    from kvreg_numba.backend import NumbaBackend
+
+    monkeypatch.setenv("KVREG_THREADS", "lots")
+    with pytest.raises(kvreg.ConfigError, match="KVREG_THREADS"):
+        NumbaBackend()
