@@ -295,6 +295,8 @@ class O1Mixin:
         q = V.array("q_all", q_all, (num_heads, hd))
         k = V.rows("k_new", k_new, nkv, hd)
         v = V.rows("v_new", v_new, nkv, hd)
+        if self.pos_len >= V.MAX_POSITION:
+            raise ShapeError("o1_step past absolute position 2**53: float64 does not resolve positions beyond it")
         # Every group inserts its row: refuse before the first one does.
         if not (np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all()):
             raise ShapeError("o1_step: q_all, k_new and v_new must be finite")

@@ -102,6 +102,13 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     # ── plain state ──
 
     @property
+    def lock(self):
+        """The layer's re-entrant lock, which every public method and setter
+        holds: hold it too to read several getters as one state from a
+        thread that does not drive the layer (docs/reliability.md)."""
+        return self._lock
+
+    @property
     def storage(self) -> LayerStorage:
         """The row storage kernels read (treat as read-only)."""
         return self._st
@@ -270,6 +277,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             raise StateError("append on a bounded-anchor layer: use bounded_step (it stores nothing per position)")
         if self._o1 is not None:
             self._o1_before_append()
+        if self.pos_len + k.shape[0] > V.MAX_POSITION:
+            raise ShapeError(f"append past absolute position 2**53 (the layer is at {self.pos_len}): "
+                             "float64 does not resolve positions beyond it")
         st = self._st
         mode = st.mode
         heads = np.flatnonzero(alive)

@@ -304,3 +304,15 @@ def test_a_hand_built_snapshot_past_2_53_is_refused_before_any_copy():
     with pytest.raises(ConfigError, match="seen"):
         ring.restore(snap)
     assert ring.seen == 1 and ring.ring_k.max() == 1.0
+
+
+def test_appends_stop_at_position_2_53():
+    c = LayerKvCache(1, 4, KvMode.F32, "reference")
+    c.seq_len = 2**53 - 1
+    c.append(np.ones(4, np.float32), np.ones(4, np.float32))
+    assert c.pos_len == 2**53
+    with pytest.raises(ShapeError, match="2\\*\\*53"):
+        c.append(np.ones(4, np.float32), np.ones(4, np.float32))
+    with pytest.raises(ShapeError, match="2\\*\\*53"):
+        c.extend(np.ones((3, 1, 4), np.float32), np.ones((3, 1, 4), np.float32))
+    assert c.pos_len == 2**53 and c.storage.lens.tolist() == [1]
