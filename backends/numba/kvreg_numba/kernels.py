@@ -219,6 +219,60 @@ def _sum(typingctx, a):
     return types.float32(a), codegen
 
 
+def _lane_max_nan(builder, x):
+    """IR of ``max_i x[i]`` that is NaN when any element is NaN (a plain
+    ``x > m`` drops a NaN: docs/kernels.md, NaN and inf), in
+    :data:`LANES`-wide compare-and-select steps. A max is the same value in
+    any order; only the sign of a zero maximum could differ, and exp(±0) is
+    1 either way."""
+    f32 = ir.FloatType()
+    vt = ir.VectorType(f32, LANES)
+    bt = ir.VectorType(ir.IntType(1), LANES)
+    i32 = ir.IntType(32)
+    n = builder.extract_value(x.shape, 0)
+    intp = n.type
+    nvec = builder.sdiv(n, ir.Constant(intp, LANES))
+    neg_inf = float("-inf")
+    acc = cgutils.alloca_once_value(builder, ir.Constant(vt, [neg_inf] * LANES))
+    nan = cgutils.alloca_once_value(builder, ir.Constant(bt, [0] * LANES))
+    with cgutils.for_range(builder, nvec) as loop:
+        off = builder.mul(loop.index, ir.Constant(intp, LANES))
+        v = builder.load(builder.bitcast(builder.gep(x.data, [off]), vt.as_pointer()), align=4)
+        a = builder.load(acc)
+        builder.store(builder.select(builder.fcmp_ordered(">", v, a), v, a), acc)
+        builder.store(builder.or_(builder.load(nan), builder.fcmp_unordered("uno", v, v)), nan)
+    m = cgutils.alloca_once_value(builder, ir.Constant(f32, neg_inf))
+    anynan = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
+    va = builder.load(acc)
+    vn = builder.load(nan)
+    for j in range(LANES):
+        e = builder.extract_element(va, ir.Constant(i32, j))
+        cur = builder.load(m)
+        builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        builder.store(builder.or_(builder.load(anynan), builder.extract_element(vn, ir.Constant(i32, j))), anynan)
+    start = builder.mul(nvec, ir.Constant(intp, LANES))
+    with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (i, _):
+        e = builder.load(builder.gep(x.data, [i]))
+        cur = builder.load(m)
+        builder.store(builder.select(builder.fcmp_ordered(">", e, cur), e, cur), m)
+        builder.store(builder.or_(builder.load(anynan), builder.fcmp_unordered("uno", e, e)), anynan)
+    return builder.select(builder.load(anynan), ir.Constant(f32, float("nan")), builder.load(m))
+
+
+@intrinsic
+def _max_nan(typingctx, a):
+    """Max of a contiguous 1-D float32 array, NaN if any element is NaN
+    (-inf when empty)."""
+    if not _f32_vector(a):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x,) = _arrays(context, builder, signature.args, args)
+        return _lane_max_nan(builder, x)
+
+    return types.float32(a), codegen
+
+
 _LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
@@ -565,15 +619,7 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         # NaN-propagating max (a NaN score must reach the merge, which
         # poisons the head: docs/kernels.md, non-finite values). A plain
         # `x > m` would drop the NaN row silently.
-        m = _NEG_INF
-        nan = False
-        for r in range(nr):
-            x = e[r]
-            if x > m:
-                m = x
-            nan |= x != x
-        if nan:
-            m = np.float32(np.nan)
+        m = _max_nan(e)
         # exp elementwise (vectorizes without fast-math), then a
         # fixed-order sum
         for r in range(nr):
@@ -786,16 +832,10 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
         for j in range(lo):
             x[j] = _ZERO
         seg = x[lo:end]
-        for j in range(end - lo):
-            seg[j] = seg[j] * scale
-        mx = _NEG_INF
-        nan = False
-        for j in range(end - lo):
-            v = seg[j]
-            if v > mx:
-                mx = v
-            nan |= v != v
-        if nan or not (mx > _NEG_INF and mx < _POS_INF):
+        # max of the raw scores, then scaled: rounding x * scale (> 0) is
+        # monotonic, so this is the max of the scaled scores exactly
+        mx = _max_nan(seg) * scale
+        if not (mx > _NEG_INF and mx < _POS_INF):
             # NaN / +inf score, or all -inf: the row's softmax is NaN at
             # every visible key (docs/kernels.md), 0 at the masked ones.
             for j in range(end - lo):
@@ -805,7 +845,7 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
                 tail[j] = _ZERO
             continue
         for j in range(end - lo):
-            seg[j] = fexp(seg[j] - mx)
+            seg[j] = fexp(seg[j] * scale - mx)
         z = _sum(seg)
         if z > 0:
             inv = np.float32(1.0) / z
