@@ -80,6 +80,15 @@ def position(name: str, x) -> int:
     return integer(name, x, 0, MAX_POSITION, "a non-negative integer position")
 
 
+def flag(name: str, x) -> bool:
+    """A boolean option: ``bool``/``np.bool_``, or an integer 0 or 1."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (numbers.Integral, np.integer)) and operator.index(x) in (0, 1):
+        return bool(x)
+    raise ShapeError(f"{name} must be True or False, got {x!r}")
+
+
 def index(name: str, x, n: int) -> int:
     return integer(name, x, 0, n - 1, f"an integer in [0, {n})")
 
@@ -187,6 +196,17 @@ def _real(name: str, x, want: str) -> float:
         return float(x)
     except (OverflowError, ValueError, TypeError):
         raise ShapeError(f"{name} must be {want}, got {x!r}") from None
+
+
+def real_at_least(name: str, x, lo: float) -> float:
+    """A real number >= ``lo`` as a float (+inf allowed; NaN reads as +inf,
+    as ``kv_abs_max`` reports a NaN row)."""
+    f = _real(name, x, f"a number >= {lo}")
+    if f != f:
+        return float("inf")
+    if not f >= lo:
+        raise ShapeError(f"{name} must be a number >= {lo}, got {x!r}")
+    return f
 
 
 def scale(x) -> np.float32:

@@ -4,14 +4,51 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import WireError
+from . import _validate as V
+from .errors import ConfigError, WireError
 from .modes import KvMode
 from .storage import LayerStorage
 from .wire import BoundedRecord, Expect, LayerState, WireKind, check_exportable, decode_layer, encode_layer
 
 
+_LAYER_KINDS = (WireKind.Full, WireKind.Linear, WireKind.Bounded)
+
+
 class WireMixin:
     """``export_wire`` / ``import_wire`` of :class:`~kvreg.layer.LayerKvCache`."""
+
+    # The v2 header fields this layer exchanges, checked when set: a bad
+    # value would otherwise surface as a TypeError at the next export.
+
+    @property
+    def wire_kind(self) -> WireKind:
+        """The record kind this layer exports and accepts (Full, Linear or Bounded)."""
+        return self._wire_kind
+
+    @wire_kind.setter
+    def wire_kind(self, kind) -> None:
+        if isinstance(kind, (bool, np.bool_)) or not isinstance(kind, (int, np.integer)) \
+                or int(kind) not in [k.value for k in _LAYER_KINDS]:
+            raise ConfigError(f"wire_kind must be WireKind.Full, WireKind.Linear or WireKind.Bounded, got {kind!r}")
+        self._wire_kind = WireKind(int(kind))
+
+    @property
+    def wire_layer(self) -> int:
+        """The layer index of the v2 header (u32)."""
+        return self._wire_layer
+
+    @wire_layer.setter
+    def wire_layer(self, layer) -> None:
+        self._wire_layer = V.integer("wire_layer", layer, 0, 0xFFFF_FFFF)
+
+    @property
+    def wire_identity(self) -> int:
+        """The operator identity of the v2 header (u64): a peer of another identity is refused."""
+        return self._wire_identity
+
+    @wire_identity.setter
+    def wire_identity(self, identity) -> None:
+        self._wire_identity = V.integer("wire_identity", identity, 0, 0xFFFF_FFFF_FFFF_FFFF)
 
     def export_wire(self, f16: bool = False) -> bytes:
         """This layer's state as a v2 wire record (the seed's bytes exactly).
@@ -21,6 +58,7 @@ class WireMixin:
         describe. ``f16`` halves the K/V payloads (round to nearest even);
         recurrent and importance vectors stay f32.
         """
+        f16 = V.flag("f16", f16)
         st = self._st
         check_exportable(st.mode is KvMode.F32, self._o1 is not None, st.field_frozen())
         bounded = None

@@ -235,7 +235,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def set_linear_wire_allowed(self, allowed: bool) -> None:
         """Bind this layer to the legacy-wire policy (delta layers refuse it)."""
-        self._linear_wire_allowed = bool(allowed)
+        self._linear_wire_allowed = V.flag("allowed", allowed)
 
     def discard_linear_scratch(self) -> None:
         self.linear_scratch = np.zeros(0, dtype=np.float32)
@@ -431,7 +431,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             window = min(V.positive_int("window", window), max(int(self._st.lens.max(initial=0)), 1))
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
         scale = self.default_scale if scale is None else V.scale(scale)
-        imp = self._st.imp if importance else None
+        imp = self._st.imp if V.flag("importance", importance) else None
         return self.backend.attend_layer(q, self._st, scale=scale, window=window, softcap=V.softcap(softcap),
                                          sinks=sinks, imp=imp)
 
@@ -654,7 +654,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """``kv_abs_max`` folding in the caller's maxima ``(from, upto, kmax,
         vmax)`` of rows it just appended, when they continue the scanned
         prefix and the layer holds exactly ``upto`` rows; else the scan."""
-        frm, upto, km, vm = chunk
+        if not isinstance(chunk, (tuple, list)) or len(chunk) != 4:
+            raise ShapeError(f"chunk must be (from, upto, kmax, vmax), got {chunk!r}")
+        frm, upto = V.nonneg_int("chunk from", chunk[0]), V.nonneg_int("chunk upto", chunk[1])
+        km, vm = (V.real_at_least(f"chunk {n}", x, 0.0) for n, x in (("kmax", chunk[2]), ("vmax", chunk[3])))
         lens = self._st.lens
         # Every head must have continued the scanned prefix: a head that
         # lagged holds new rows below `frm` that the caller's maxima may miss.

@@ -153,6 +153,10 @@ def get_backend(name: str | None = None, device: str | None = None) -> Backend:
     """
     if isinstance(name, Backend):
         return name
+    if name is not None and not isinstance(name, str):
+        raise BackendError(f"backend must be a name, a kvreg.backend.Backend or None, got {name!r}")
+    if device is not None and not isinstance(device, str):
+        raise BackendError(f"device must be a device spec string or None, got {device!r}")
     if name is None:
         name = os.environ.get("KVREG_BACKEND", "").strip() or "auto"
     if device is None:

@@ -316,3 +316,36 @@ def test_appends_stop_at_position_2_53():
     with pytest.raises(ShapeError, match="2\\*\\*53"):
         c.extend(np.ones((3, 1, 4), np.float32), np.ones((3, 1, 4), np.float32))
     assert c.pos_len == 2**53 and c.storage.lens.tolist() == [1]
+
+
+ODD = [None, 1.5, "3", [], np.array([3]), np.ones((2, 2)), (1, 2), object(), complex(1)]
+
+
+@pytest.mark.parametrize("x", ODD + [-1, 2**64], ids=repr)
+def test_header_fields_flags_and_chunk_maxima_are_checked_when_given(x):
+    from kvreg import BackendError, ConfigError
+
+    c = busy()
+    before = snapshot(c)
+    for call in (lambda: setattr(c, "wire_layer", x), lambda: setattr(c, "wire_identity", x),
+                 lambda: setattr(c, "wire_kind", x), lambda: c.set_linear_wire_allowed(x),
+                 lambda: c.export_wire(x), lambda: c.attend_layer(np.tile(Q, (2, 1)), importance=x),
+                 lambda: c.kv_abs_max_after(x), lambda: c.kv_abs_max_after((x, 20, 1.0, 1.0)),
+                 lambda: c.kv_abs_max_after((0, 20, -1.0 if isinstance(x, (int, float)) else x, 1.0))):
+        with pytest.raises(KvregError):
+            call()
+    assert snapshot(c) == before and c.wire_kind == 0 and c.wire_layer == 0 and c.wire_identity == 0
+    if x is not None and not isinstance(x, int):   # None: the default backend
+        with pytest.raises(BackendError):
+            LayerKvCache(2, 4, KvMode.F32, x)
+    with pytest.raises(ConfigError):
+        c.wire_kind = 3   # FullTail is what a Full layer becomes on the wire, not a layer kind
+
+
+def test_header_fields_take_numpy_integers():
+    c = busy()
+    c.wire_layer, c.wire_identity, c.wire_kind = np.uint32(7), np.uint64(2**64 - 1), np.int8(0)
+    d = LayerKvCache(2, 4, KvMode.F32, "reference", layer=np.int16(7))
+    d.wire_identity = 2**64 - 1
+    d.import_wire(c.export_wire(np.bool_(True)))
+    assert type(d.wire_layer) is int and d.seq_len == 20
