@@ -79,13 +79,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--skip-compile", action="store_true")
-    ap.add_argument("--threads", type=int, default=None, help="numba threads (default: all)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads (default: kvreg.get_num_threads(), i.e. KVREG_THREADS or the CPU affinity)")
     args = ap.parse_args()
 
     import numba
 
     if args.threads:
+        import kvreg
+
         numba.set_num_threads(args.threads)
+        kvreg.set_num_threads(args.threads)  # the kernels run on kvreg's budget
 
     from kvreg_numba import bandwidth, config
     from kvreg_numba import kernels as K
@@ -158,7 +162,10 @@ def main() -> None:
     f32_gbs = (k.nbytes + v.nbytes) / best["decode_f32"] / 1e9
     mm = 2.0 * 2048**3 / best["matmul"] / 1e9
     ch = chunk_flop / best["chunk"] / 1e9
-    print(f"threads                      {numba.get_num_threads()} ({numba.threading_layer()})")
+    import kvreg
+
+    nthreads = min(kvreg.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    print(f"threads                      {nthreads} ({numba.threading_layer()}; kvreg.get_num_threads())")
     print(f"stream read bandwidth        {bw:7.1f} GB/s")
     print(f"decode F32 16k 32/8 hd128    {best['decode_f32'] * 1e3:7.2f} ms  {f32_gbs:6.1f} GB/s  "
           f"= {f32_gbs / bw:.2f} of bandwidth (target >= 0.75)")

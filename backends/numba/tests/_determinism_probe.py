@@ -1,6 +1,7 @@
 """Run by test_numba_determinism.py in a subprocess: prints, as JSON, the
 SHA-256 of the bits of attend_layer (F32 and q8, with importance, window,
-soft-cap and sinks) and attend_chunk outputs at numba thread counts 1 and 2.
+soft-cap and sinks) and attend_chunk outputs at kvreg thread budgets 1 and 2
+(capped by the process's NUMBA_NUM_THREADS).
 
 ``python _determinism_probe.py f32`` runs the F32 decode only, so a later
 process compiles the q8 and chunk specializations fresh against callees
@@ -18,9 +19,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numba  # noqa: E402
-
+import kvreg  # noqa: E402
+from kvreg import threads as kvreg_threads  # noqa: E402
 from kvreg_numba import kernels as K  # noqa: E402
+
+kvreg_threads.SMALL_WORK_BYTES = 0  # every call on the count asked for
 
 
 def digest(*arrays) -> str:
@@ -54,7 +57,7 @@ def run(which: str) -> dict:
     n = k.shape[1]
     res = {}
     for threads in (1, 2):
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        kvreg.set_num_threads(threads)
         imp = np.zeros(n, np.float32)
         o1 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp)
         o2 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, window=3000, softcap=30.0, sinks=sinks)
@@ -71,7 +74,7 @@ def run(which: str) -> dict:
         o2 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, window=256)
         res[f"chunk threads={threads}"] = digest(o1, imp, o2)
     # call history: the same call again after others of other shapes
-    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    kvreg.set_num_threads(2)
     K.attend_layer(q[:8], lens[:2] // 2, k=k[:2], v=v[:2], scale=0.5)
     imp = np.zeros(n, np.float32)
     o1 = K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp)

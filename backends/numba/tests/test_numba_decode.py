@@ -153,21 +153,23 @@ def test_upto_equals_the_layer_that_held_upto_rows(small_blocks, mode):
             assert_bits(imp, imp2)
 
 
-def test_result_does_not_depend_on_thread_count(small_blocks):
-    import numba
+def test_result_does_not_depend_on_thread_count(small_blocks, monkeypatch):
+    import kvreg
+    from kvreg import threads
 
+    monkeypatch.setattr(threads, "SMALL_WORK_BYTES", 0)  # tiny inputs, parallel anyway
     st, lens, _, _ = make_layer("q8", nkv=2, lens=(70, 61), cap=70)
     q = qs(8, 40)
-    imp = np.zeros(70, np.float32)
-    out = K.attend_layer(q, lens, scale=0.2, imp=imp, **st)
-    old = numba.get_num_threads()
     try:
-        numba.set_num_threads(1)
+        kvreg.set_num_threads(2)
+        imp = np.zeros(70, np.float32)
+        out = K.attend_layer(q, lens, scale=0.2, imp=imp, **st)
+        kvreg.set_num_threads(1)
         imp1 = np.zeros(70, np.float32)
         assert_bits(out, K.attend_layer(q, lens, scale=0.2, imp=imp1, **st))
         assert_bits(imp, imp1)
     finally:
-        numba.set_num_threads(old)
+        kvreg.set_num_threads(None)
 
 
 def test_empty_heads_give_zeros_and_leave_imp_alone():
