@@ -241,6 +241,11 @@ def main(args) -> int:
     from . import models
 
     configs = parse_configs(args.configs)
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plot needs matplotlib: pip install 'kvreg[bench]'")
     texts = [Path(t) for t in args.text] if args.text else default_texts()[:1]
     names = list(models.MODELS) if args.model == "all" else [args.model]
     reports = []

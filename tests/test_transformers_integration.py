@@ -29,7 +29,7 @@ def lm(request):
     return request.param, model, tok
 
 
-def _generate(model, inputs, cache, n=24):
+def _generate(model, inputs, cache, n=16):
     with torch.no_grad():
         return model.generate(**inputs, cache=cache, max_new_tokens=n, do_sample=False)
 
@@ -74,7 +74,7 @@ def test_teacher_forced_logprobs_match_dynamic_cache_past_the_sliding_window(lm)
     no more than window - 1 + SLIDING_SLACK rows."""
     name, model, tok = lm
     text = open(__file__).read() * 3
-    ids = tok(text, return_tensors="pt").input_ids[:, :700]
+    ids = tok(text, return_tensors="pt").input_ids[:, :610]
     ref = _teacher_forced_logp(model, ids, DynamicCache(config=model.config), prefix=560)
     cache = KvregCache(model, mode="f32")
     got = _teacher_forced_logp(model, ids, cache, prefix=560)
@@ -202,3 +202,26 @@ def test_readme_drop_in_runs_as_written():
     exec(compile(code, "README.md", "exec"), env)
     assert isinstance(env["cache"], KvregCache) and env["cache"].mode.value == "q8"
     assert env["out"].shape[1] > env["inputs"]["input_ids"].shape[1]
+
+
+def test_kvreg_eval_scores_against_f32_and_writes_json_markdown_plot(tmp_path):
+    """The harness on a short run: the reference scores itself at KL 0;
+    DynamicCache, the same cache in transformers, has the reference's
+    perplexity to 1e-4 relative; a q8 cache costs some KL and fewer bytes."""
+    import json
+
+    from kvreg.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text(open(__file__).read())
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", "smollm2-135m", "--text", str(text), "--tokens", "96", "--prefix", "64",
+                 "--configs", "dynamic,q8", "--json", str(out), "--md", str(tmp_path / "eval.md"),
+                 "--plot", str(tmp_path / "kl.png"), "--no-progress"]) == 0
+    (rep,) = json.loads(out.read_text())
+    ref, dyn, q8 = rep["results"]
+    assert rep["scored"] == 32 and ref["kl_mean"] == 0 and ref["top1"] == 1
+    assert abs(dyn["ppl"] / ref["ppl"] - 1) < 1e-4 and dyn["kl_mean"] < 1e-6
+    assert 0 < q8["kl_mean"] < 0.05 and q8["kv_bytes"] < 0.4 * ref["kv_bytes"]
+    assert "| q8 |" in (tmp_path / "eval.md").read_text()
+    assert (tmp_path / "kl.png").stat().st_size > 1000
