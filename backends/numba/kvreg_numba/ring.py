@@ -26,7 +26,10 @@ from . import config
 from .kernels import (
     SUB_ROWS,
     _accumulate,
-    _scores,
+    _dot,
+    _max_nan,
+    _scores_h4,
+    _sum,
     _scratch,
     fexp,
     partial_slabs,
@@ -109,21 +112,15 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
             slot = (start + j0 + r) % window
             m = min(SUB_ROWS, nr - r, window - slot)
             _rotate_rows(ring_k, g, slot, m, tcos, tsin, j0 + r, kbuf)
-            _scores(qr, g * hpk, hpk, kbuf, m, scale, Et, r)
+            _scores_h4(qr, g * hpk, hpk, kbuf, m, scale, Et, r)  # rows in L1
             r += m
         for h in range(hpk):
             e = Et[h, :nr]
-            mx = _NEG_INF
-            for i in range(nr):
-                if e[i] > mx:
-                    mx = e[i]
-            lsum = _ZERO
-            for i in range(nr):
-                x = fexp(e[i] - mx)
-                e[i] = x
-                lsum += x
+            mx = _max_nan(e)  # lanes; the ring holds finite rows only
+            for i in range(nr):  # elementwise: vectorizes without fast-math
+                e[i] = fexp(e[i] - mx)
             pm[t, h] = mx
-            pl[t, h] = lsum
+            pl[t, h] = _sum(e)
             for d in range(hd):
                 pacc[t, h, d] = _ZERO
         r = 0
@@ -139,10 +136,7 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
         qh = qr[row]
         ss = np.empty(nsink, np.float32)
         for j in range(nsink):
-            a = _ZERO
-            for d in range(hd):
-                a += qh[d] * sink_k[g, j, d]
-            ss[j] = a * scale
+            ss[j] = _dot(qh, sink_k[g, j]) * scale
         t0 = tstart[g]
         t1 = tstart[g + 1]
         mx = _NEG_INF
