@@ -138,13 +138,18 @@ def test_all_minus_inf_scores_are_nan_without_a_sink_and_zero_with_one(backend, 
     nkv, hd, hpk, n = 1, 8, 2, 20
     k, v = rows(330, n, nkv, hd)
     k[n - 1, 0] = -np.inf
+    v[n - 1, 1] = np.nan  # probability 0, but 0 * NaN is NaN
     c, r = both(backend, ref, k, v, nkv, hd)
     q = np.abs(queries(330, hpk, hd)) + np.float32(0.5)  # positive: row n-1 scores -inf
     s = np.array([0.5, -1.0], np.float32) if sinks else None
     out = c.attend_group(q, 0, scale=0.3, first=n - 1, sinks=s)
     want = r.attend_group(q, 0, scale=0.3, first=n - 1, sinks=s)
     if sinks:
-        check.exact("attend_group", out, np.zeros_like(out), "the sink takes all the mass; -inf row none")
+        nan = np.zeros(out.shape, bool)
+        nan[:, 1] = True
+        policy(check, "attend_group", out, nan, "a NaN value row of probability 0 still reaches its channel")
+        check.exact("attend_group", np.where(nan, 0, out), np.zeros_like(out),
+                    "the sink takes all the mass; the -inf row none")
     else:
         policy(check, "attend_group", out, np.ones(out.shape, bool), "every visible score -inf, no sink")
     like_reference(check, "attend_group", out, want, f"all -inf scores, sinks={sinks}")

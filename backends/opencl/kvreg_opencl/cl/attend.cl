@@ -310,8 +310,10 @@ __kernel void merge(__global const float *pm, __global const float *ps,
         acc = NAN;
     } else {
         for (int b = 0; b < nb; ++b) {
+            /* a block of -inf scores has f = exp(-inf) = 0, and 0 * NaN
+             * still carries a NaN value row into the output (IEEE, as the
+             * reference computes it) */
             const float mb = pm[o * nblk + b];
-            if (mb == -INFINITY) continue;
             const float f = exp(mb - m);
             z += ps[o * nblk + b] * f;
             acc += pacc[(o * nblk + b) * hd + d] * f;
