@@ -6,7 +6,7 @@ import numpy as np
 
 from kvreg import KvMode, LayerKvCache
 
-ALL_MODES = (KvMode.F32, KvMode.Q8, KvMode.Q8K, KvMode.Q8V)
+ALL_MODES = tuple(KvMode)
 
 
 def f32(xs) -> np.ndarray:

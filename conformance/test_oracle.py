@@ -100,7 +100,7 @@ def test_attend_chunk_matches_the_oracle(backend, check, mode, window):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8K, KvMode.Q8V], ids=["q8", "q8k", "q8v"])
+@pytest.mark.parametrize("mode", [KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q8V_2F], ids=lambda m: m.value)
 def test_freeze_field_is_the_rms_of_the_stored_rows(backend, check, mode):
     nkv, hd = 2, 40
     c, k, v = filled(backend, nkv, hd, mode, 64, seed=140, alive=[True, True])

@@ -90,7 +90,7 @@ def test_wire_round_trip_reproduces_attention(backend, check):
 
 
 def test_wire_refuses_what_it_cannot_describe(backend):
-    c = lay(backend, 1, 4, KvMode.Q8)
+    c = lay(backend, 1, 4, KvMode.Q8_2F)
     with pytest.raises(ValueError, match="F32"):
         c.export_wire(False)
 
@@ -221,7 +221,7 @@ def test_truncate_rolls_back_speculative_positions(backend, check):
 @pytest.mark.quick
 def test_q8_attend_matches_f32_within_grid(backend, check):
     heads, hd = 2, 32
-    f, q8 = lay(backend, heads, hd), lay(backend, heads, hd, KvMode.Q8)
+    f, q8 = lay(backend, heads, hd), lay(backend, heads, hd, KvMode.Q8_2F)
     i = np.arange(heads * hd)
 
     def synth(p, salt):
@@ -256,7 +256,7 @@ def _grouped(backend, mode, kv_heads=2, hd=32, rows=70):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8_2F], ids=lambda m: m.value)
 def test_attend_group_equals_per_head_attend_bitexact(backend, check, mode):
     kv_heads, hd, hpk = 2, 32, 3
     c = _grouped(backend, mode, kv_heads, hd)
@@ -337,7 +337,7 @@ def test_sinks_survive_clear_and_wire_import(backend, check):
     check.equal("wire", c.seq_len, 1)
 
 
-@pytest.mark.parametrize("mode", [KvMode.Q8V, KvMode.Q8K], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [KvMode.Q8V_2F, KvMode.Q8K_2F], ids=lambda m: m.value)
 def test_born_eviction_mixed_modes_stay_consistent(backend, check, mode):
     c = lay(backend, 1, 4, mode)
     for p in range(80):
@@ -406,7 +406,7 @@ def test_swa_anchored_trim_keeps_the_rollback_window(backend, check):
     assert t.seq_len <= 2 * w
 
 
-@pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8_2F], ids=lambda m: m.value)
 @pytest.mark.parametrize("w,slack,align", [(40, 2, 4), (37, 5, 16), (64, 64, 64)])
 def test_swa_trimmed_attend_equals_untrimmed(backend, check, mode, w, slack, align):
     nkv, hd, hpk = 2, 16, 2

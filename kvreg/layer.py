@@ -296,7 +296,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
-            if mode.quantized and not st.field_frozen():
+            if mode.field and not st.field_frozen():
                 if self._seq_len >= KV_COL_WARMUP:
                     self._freeze_field()
                 if not st.field_frozen():
@@ -535,7 +535,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._tail = w
         if self._seq_len <= 2 * w:
             return 0
-        if self.mode.quantized and not self._st.field_frozen():
+        if self.mode.field and not self._st.field_frozen():
             return 0
         align = max(align, 1)
         keep_from = max(self.pos_len - (w + slack), 0)

@@ -10,7 +10,7 @@ from kvreg.quant import quantize_rows
 from kvreg.testing.q8_report import format_q8_table, q8_accuracy
 from kvreg.testing.realistic import exact_attention_f64
 
-Q8_MODES = [KvMode.Q8, KvMode.Q8K, KvMode.Q8V]
+Q8_MODES = [KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q8V_2F]
 F1E12 = np.float32(1e-12)
 
 
@@ -113,7 +113,7 @@ def expected_bytes(mode, lens, hd, frozen_heads, exact=()):
 def test_q8_attend_matches_f32_within_grid():
     heads, hd = 2, 32
     f = layer(heads, hd, KvMode.F32)
-    q8 = layer(heads, hd, KvMode.Q8)
+    q8 = layer(heads, hd, KvMode.Q8_2F)
 
     def synth(p, salt):
         i = np.arange(heads * hd)
@@ -144,7 +144,7 @@ def test_q8_attend_matches_f32_within_grid():
     assert q8.memory_bytes() * 3 < f.memory_bytes()
 
 
-@pytest.mark.parametrize("mode", [KvMode.Q8V, KvMode.Q8K])
+@pytest.mark.parametrize("mode", [KvMode.Q8V_2F, KvMode.Q8K_2F])
 def test_born_eviction_mixed_modes_stay_consistent(mode):
     c = layer(1, 4, mode)
     for p in range(80):
@@ -275,7 +275,7 @@ def test_field_freezes_at_the_start_of_the_append_after_64_rows(mode):
 
 def test_rows_of_a_dead_head_never_freeze_its_field():
     nkv, hd = 2, 32
-    c = layer(nkv, hd, KvMode.Q8)
+    c = layer(nkv, hd, KvMode.Q8_2F)
     x = rand_rows(80, nkv, hd, seed=7)
     for p in range(70):
         c.append(x[p], x[p], alive=[True, False])
@@ -294,7 +294,7 @@ def test_rows_of_a_dead_head_never_freeze_its_field():
 def test_trim_window_is_a_noop_until_the_field_freezes():
     hd, w = 8, 20
     x = rand_rows(70, 1, hd, seed=8)
-    f, c = layer(1, hd, KvMode.F32), layer(1, hd, KvMode.Q8)
+    f, c = layer(1, hd, KvMode.F32), layer(1, hd, KvMode.Q8_2F)
     for p in range(60):
         f.append(x[p], x[p])
         c.append(x[p], x[p])
@@ -401,9 +401,9 @@ def test_truncate_evict_born_clear_keep_each_storage_consistent(mode, xr):
 
 # ── selection, memory, refusals ──
 
-@pytest.mark.parametrize("value, mode", [("q8", KvMode.Q8), ("q8_2f", KvMode.Q8), ("q8k", KvMode.Q8K),
-                                          ("q8v", KvMode.Q8V), ("f32", KvMode.F32), (None, KvMode.F32),
-                                          ("", KvMode.F32)])
+@pytest.mark.parametrize("value, mode", [("q8", KvMode.Q8), ("q8_2f", KvMode.Q8_2F), ("q8k", KvMode.Q8K),
+                                          ("q8v", KvMode.Q8V), ("q8k_2f", KvMode.Q8K_2F), ("q8v_2f", KvMode.Q8V_2F),
+                                          ("f32", KvMode.F32), (None, KvMode.F32), ("", KvMode.F32)])
 def test_kv_mode_from_env(monkeypatch, value, mode):
     if value is None:
         monkeypatch.delenv("KVREG_KV", raising=False)
@@ -417,7 +417,7 @@ def test_kv_mode_from_env_refuses_an_unknown_value(monkeypatch):
     monkeypatch.setenv("KVREG_KV", "q4")
     with pytest.raises(ConfigError) as err:
         KvMode.from_env()
-    for accepted in ("f32", "q8", "q8_2f", "q8k", "q8v"):
+    for accepted in ("f32", "q8", "q8_2f", "q8k", "q8v", "q8k_2f", "q8v_2f"):
         assert accepted in str(err.value)
     assert "q4" in str(err.value)
     assert isinstance(err.value, ValueError)
@@ -426,17 +426,17 @@ def test_kv_mode_from_env_refuses_an_unknown_value(monkeypatch):
 def test_q8_memory_is_at_most_028_of_f32_at_hd128():
     nkv, hd = 2, 128
     x = rand_rows(256, nkv, hd, seed=12)
-    f, c = layer(nkv, hd, KvMode.F32), layer(nkv, hd, KvMode.Q8)
+    f, c = layer(nkv, hd, KvMode.F32), layer(nkv, hd, KvMode.Q8_2F)
     for p in range(256):
         f.append(x[p], x[p])
         c.append(x[p], x[p])
     ratio = c.memory_bytes() / f.memory_bytes()
     assert ratio <= 0.28, ratio
-    assert c.memory_bytes() == expected_bytes(KvMode.Q8, [256, 256], hd, nkv, [Q8_EXACT_ROWS] * nkv)
-    seed = layer(nkv, hd, KvMode.Q8, 0)
+    assert c.memory_bytes() == expected_bytes(KvMode.Q8_2F, [256, 256], hd, nkv, [Q8_EXACT_ROWS] * nkv)
+    seed = layer(nkv, hd, KvMode.Q8_2F, 0)
     for p in range(256):
         seed.append(x[p], x[p])
-    assert seed.memory_bytes() == expected_bytes(KvMode.Q8, [256, 256], hd, nkv), "q8_exact_rows=0: the seed's count"
+    assert seed.memory_bytes() == expected_bytes(KvMode.Q8_2F, [256, 256], hd, nkv), "q8_exact_rows=0: the seed's count"
 
 
 @pytest.mark.parametrize("mode", Q8_MODES)
@@ -563,14 +563,14 @@ def test_field_lowers_key_and_logit_error_on_outlier_channels(accuracy):
 def test_q8_exact_rows_must_be_a_nonnegative_int(bad):
     from kvreg import KvCache, KvregError
     with pytest.raises(KvregError, match="q8_exact_rows"):
-        LayerKvCache(2, 8, KvMode.Q8, "reference", q8_exact_rows=bad)
+        LayerKvCache(2, 8, KvMode.Q8_2F, "reference", q8_exact_rows=bad)
     with pytest.raises(KvregError, match="q8_exact_rows"):
-        KvCache(2, 2, 8, 64, mode=KvMode.Q8, backend="reference", q8_exact_rows=bad)
+        KvCache(2, 2, 8, 64, mode=KvMode.Q8_2F, backend="reference", q8_exact_rows=bad)
 
 
 def test_exact_rows_hold_the_first_rows_as_appended_in_field_space():
     nkv, hd = 2, 40
-    c = layer(nkv, hd, KvMode.Q8, 3)
+    c = layer(nkv, hd, KvMode.Q8_2F, 3)
     x, y = rand_rows(70, nkv, hd, seed=30), rand_rows(70, nkv, hd, seed=31)
     c.extend(x[:10], y[:10])
     st = c.storage
@@ -593,3 +593,26 @@ def test_q8_report_runs_on_real_attention_data():
     f32, q8v = res
     assert f32["rel_p99"] < 1e-5 and f32["n"] == 8 * data.q.shape[1]
     assert 0 < q8v["rel_median"] < 0.02 and q8v["key_rel_err"] == 0.0
+
+
+@pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8K, KvMode.Q8V])
+def test_field_free_modes_never_freeze_and_match_the_seed_before_its_freeze(mode):
+    """q8/q8k/q8v quantize every row against its own scales only: past 64
+    rows no field is set, and each stored row equals what the seed's storage
+    held before its freeze (the quantizer against col = 1)."""
+    rng = np.random.default_rng(3)
+    nkv, hd = 2, 64
+    x = (rng.standard_normal((130, nkv, hd)) * (1 + 9 * (np.arange(hd) % 7 == 0))).astype(np.float32)
+    y = rng.standard_normal((130, nkv, hd)).astype(np.float32)
+    free = layer(nkv, hd, mode)
+    seed = layer(nkv, hd, KvMode.parse(mode.value + "_2f"))
+    for p in range(130):
+        free.append(x[p], y[p])
+        if p < 64:
+            seed.append(x[p], y[p])
+    st = free.storage
+    assert not st.kcol_set.any() and not st.vcol_set.any() and not st.field_frozen()
+    for name in st.block_names():
+        a, b = getattr(st, name), getattr(seed.storage, name)
+        np.testing.assert_array_equal(a[:, :64], b[:, :64], err_msg=name)
+    assert free.trim_window(16, 0, 1) > 0, "no field to wait for: the trim runs"

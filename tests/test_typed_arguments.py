@@ -197,7 +197,7 @@ def test_non_contiguous_imp_acc_is_refused():
     assert not acc.any()
 
 
-@pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8K, KvMode.Q8V])
+@pytest.mark.parametrize("mode", [KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q8V_2F])
 @pytest.mark.parametrize("value", [3e19, 2e18, -1e30])
 def test_q8_rows_whose_field_would_overflow_are_refused(mode, value):
     c = busy(mode, rows=10)

@@ -3,8 +3,9 @@
 On :func:`kvreg.testing.realistic.realistic_qkv` data (RoPE, outlier K
 channels, a sink, log-normal values) every row is appended to one layer per
 configuration: an ``f32`` baseline and each q8 mode (``q8`` = K and V,
-``q8k``, ``q8v``), with the per-channel 2f field (the real cache) and without
-it (every row quantized against ``col = 1``), and with the leading rows held
+``q8k``, ``q8v``), with the per-channel 2f field (the seed's ``_2f`` storage)
+and without it (the field-free modes: every row quantized against its own
+scales only), and with the leading rows held
 exact (``q8_exact_rows``, the default) or not (0: the seed's storage). Then the last ``queries``
 positions are decoded: Q head ``h`` of position ``i`` attends the rows
 ``[0, i]`` of its group through the public ``attend_group(..., upto=i+1)``
@@ -16,9 +17,6 @@ original float32 data:
 * output relative error ``‖o−ô‖/‖o‖``, median and p99 over (position, head);
 * probability L1 ``Σ_p |p−p̂|``, median and p99;
 * bytes per stored K/V element (``memory_bytes`` over ``2·rows·nkv·hd``).
-
-The no-field arm is a layer whose freeze does nothing: the report's own
-subclass, so the core cache is measured unmodified.
 
 Run it: ``python -m kvreg.testing.q8_report``.
 """
@@ -37,12 +35,11 @@ from kvreg.testing.realistic import error_report, exact_attention_f64, realistic
 __all__ = ["q8_accuracy", "format_q8_table"]
 
 
-class _NoFieldLayer(LayerKvCache):
-    """A q8 layer without the 2f field: the freeze never happens, so every row
-    stays quantized against ``col = 1`` (the per-row/per-group scales only)."""
-
-    def _freeze_field(self) -> None:
-        return None
+def _storage(mode: str, field: bool | None) -> KvMode:
+    """The layer mode of a configuration: the seed's ``_2f`` storage when the
+    field is on, the field-free mode of the same sides when it is off."""
+    base = KvMode.parse(mode)
+    return KvMode.parse(f"{base.value}_2f") if field else base
 
 
 def _decode(layer: LayerKvCache, q: np.ndarray, first_pos: int, hpk: int, scale: float):
@@ -113,8 +110,7 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, exa
     configs += [(KvMode.parse(m), f, x) for m in modes for x in exacts for f in fields]
     results = []
     for mode, f, x in configs:
-        cls = _NoFieldLayer if f is False else LayerKvCache
-        layer = cls(num_kv_heads, head_dim, mode, backend, q8_exact_rows=x)
+        layer = LayerKvCache(num_kv_heads, head_dim, _storage(mode.value, f), backend, q8_exact_rows=x)
         for p in range(rows):
             layer.append(data.k[p], data.v[p])
         out, probs = _decode(layer, qs, first_pos, hpk, data.scale)
