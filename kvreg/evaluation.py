@@ -178,9 +178,9 @@ def evaluate(model, tokenizer, text: str, configs: list[CacheConfig], *, tokens:
                     seconds[i] += time.perf_counter() - t0
                 logp = torch.log_softmax(logits.double(), dim=-1)
                 if ref_logp is None:
-                    ref_logp = logp
+                    ref_logp, ref_p = logp, logp.exp()
                     ref_top = int(logp.argmax())
-                kl[i, step] = float((ref_logp.exp() * (ref_logp - logp)).sum())
+                kl[i, step] = float((ref_p * (ref_logp - logp)).sum())
                 agree[i, step] = int(logp.argmax()) == ref_top
                 nll[i, step] = -float(logp[targets[step]])
             if bar is not None:

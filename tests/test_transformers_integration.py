@@ -225,3 +225,28 @@ def test_kvreg_eval_scores_against_f32_and_writes_json_markdown_plot(tmp_path):
     assert 0 < q8["kl_mean"] < 0.05 and q8["kv_bytes"] < 0.4 * ref["kv_bytes"]
     assert "| q8 |" in (tmp_path / "eval.md").read_text()
     assert (tmp_path / "kl.png").stat().st_size > 1000
+
+
+def test_crop_rolls_back_like_dynamic_cache_or_refuses_before_any_change(lm):
+    name, model, tok = lm
+    ids = tok(PROMPT * 2, return_tensors="pt").input_ids[:, :30]
+    caches = [DynamicCache(config=model.config), KvregCache(model, mode="f32")]
+    logits = []
+    with torch.no_grad():
+        for cache in caches:
+            model(input_ids=ids[:, :20], cache=cache, use_cache=True)
+            for t in range(20, 25):
+                model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+    kv = caches[1]
+    if name == "gemma3-270m":
+        before = [layer.seq_len for layer in kv.sequences[0].layers]
+        with pytest.raises(ConfigError, match="sliding"):
+            kv.crop(-3)
+        assert [layer.seq_len for layer in kv.sequences[0].layers] == before and kv.get_seq_length() == 25
+        return
+    with torch.no_grad():
+        for cache in caches:
+            cache.crop(-3)
+            logits.append(model(input_ids=ids[:, 22:23], cache=cache, use_cache=True).logits[0, -1])
+    assert kv.get_seq_length() == caches[0].get_seq_length() == 23
+    assert float((logits[0] - logits[1]).abs().max()) < 1e-3

@@ -50,7 +50,7 @@ How it fits transformers (5.x):
 
 Unsupported (a :class:`~kvreg.errors.ConfigError` naming what is supported):
 model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
-(``reorder_cache``), cropping after eviction or the seal.
+(``reorder_cache``), cropping a bounded, sealed, sliding or padded cache.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class KvregLayer(CacheLayerMixin):
         self.owner._reset_layer(self.index)
 
     def crop(self, tokens_to_remove: int) -> None:
-        self.owner._crop(self.index, tokens_to_remove)
+        raise ConfigError("crop a KvregCache as a whole (cache.crop): its layers roll back together")
 
     def reorder_cache(self, beam_idx) -> None:
         raise ConfigError("KvregCache does not support beam search (reorder_cache); use greedy or sampling")
@@ -274,17 +274,24 @@ class KvregCache(Cache):
         for seq in self._seqs:
             seq.layers[layer_idx].clear()
 
-    def _crop(self, layer_idx: int, tokens_to_remove: int) -> None:
-        n = -int(tokens_to_remove) if tokens_to_remove < 0 else self.layers[layer_idx].seen - int(tokens_to_remove)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Roll back the newest ``-tokens_to_remove`` tokens (or down to
+        ``tokens_to_remove`` tokens when positive) on every layer. Plain
+        caches only: every refusal comes before any layer changes."""
+        seen = self.layers[0].seen if self.layers else 0
+        n = -int(tokens_to_remove) if tokens_to_remove < 0 else seen - int(tokens_to_remove)
         if n <= 0:
             return
-        if self.budget is not None or self.o1 is not None or self.windows[layer_idx] is not None:
+        if self.budget is not None or self.o1 is not None or any(w is not None for w in self.windows):
             raise ConfigError("KvregCache.crop works on plain caches only (no budget, no seal, no sliding layers)")
-        if any(seq.layers[layer_idx].seq_len != self.layers[layer_idx].seen for seq in self._seqs):
-            raise ConfigError("KvregCache.crop: a padded batch cannot be cropped column-wise")
-        for seq in self._seqs:
-            seq.layers[layer_idx].truncate_last(n)
-        self.layers[layer_idx].seen -= n
+        for i, layer in enumerate(self.layers):
+            if layer.seen < n or any(seq.layers[i].seq_len != layer.seen for seq in self._seqs):
+                raise ConfigError("KvregCache.crop: every sequence must hold every column (no padded batch), "
+                                  f"and at least the {n} cropped")
+        for i, layer in enumerate(self.layers):
+            for seq in self._seqs:
+                seq.layers[i].truncate_last(n)
+            layer.seen -= n
 
     # ── attention ──
 
