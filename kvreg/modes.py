@@ -42,8 +42,8 @@ class KvMode(enum.Enum):
     Why q8 has no field: on real models the field, frozen over the first 64
     rows, misfits later keys (5-7% of key channels grow past 2x their early
     RMS, up to 41x), so those channels quantize coarser than with no field.
-    Measured with ``kvreg eval`` (docs in the README): the field costs 3.5x
-    (SmolLM2-135M) to 28x (Gemma-3-270M) the KL of the field-free format.
+    Measured with ``kvreg eval`` (the README's tables): the field costs 3x
+    (SmolLM2-135M) to 26x (Gemma-3-270M) the KL of the field-free format.
     """
 
     F32 = "f32"
