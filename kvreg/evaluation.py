@@ -239,6 +239,7 @@ def plot(reports: list[dict], path: str) -> None:
 
 def main(args) -> int:
     from . import models
+    from .registry import get_backend
 
     configs = parse_configs(args.configs)
     if args.plot:
@@ -255,8 +256,6 @@ def main(args) -> int:
             rep = evaluate(model, tok, text.read_text(encoding="utf-8", errors="replace"), configs,
                            tokens=args.tokens, prefix=args.prefix, backend=args.backend,
                            progress=not args.no_progress)
-            from .registry import get_backend
-
             rep.update(model=name, text=str(text), backend=get_backend(args.backend).name)
             reports.append(rep)
             print(markdown_table(rep))
