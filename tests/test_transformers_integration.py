@@ -250,3 +250,16 @@ def test_crop_rolls_back_like_dynamic_cache_or_refuses_before_any_change(lm):
             logits.append(model(input_ids=ids[:, 22:23], cache=cache, use_cache=True).logits[0, -1])
     assert kv.get_seq_length() == caches[0].get_seq_length() == 23
     assert float((logits[0] - logits[1]).abs().max()) < 1e-3
+
+
+def test_a_switched_model_answers_other_caches_exactly_as_sdpa(lm):
+    name, model, tok = lm
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    KvregCache(model)
+    assert model.config._attn_implementation == "kvreg"
+    with torch.no_grad():
+        switched = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).logits
+        model.set_attn_implementation("sdpa")
+        plain = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).logits
+    model.set_attn_implementation("kvreg")
+    assert torch.equal(switched, plain)
