@@ -100,7 +100,7 @@ def default_texts() -> list[Path]:
     return [p for p in (lib / "textwrap.py", lib / "LICENSE.txt") if p.exists()]
 
 
-def _cache_keyword(model) -> str:
+def cache_keyword(model) -> str:
     import inspect
 
     params = inspect.signature(model.forward).parameters
@@ -121,7 +121,7 @@ def _make_cache(cfg: CacheConfig, model, tokens: int, backend):
     return KvregCache(model, backend=backend, **cfg.kwargs)
 
 
-def _cache_bytes(cache) -> tuple[int, float | None]:
+def cache_bytes(cache) -> tuple[int, float | None]:
     """(KV bytes held, bytes per K/V element held or None)."""
     from .integrations.transformers import KvregCache
 
@@ -155,7 +155,7 @@ def evaluate(model, tokenizer, text: str, configs: list[CacheConfig], *, tokens:
         raise ConfigError(f"the text has {n} tokens; need more than prefix+1 = {prefix + 1}")
     runs = [CacheConfig("f32 (reference)", "kvreg", {"mode": "f32"})] + list(configs)
     caches = [_make_cache(c, model, n, backend) for c in runs]
-    kw = _cache_keyword(model)
+    kw = cache_keyword(model)
     scored = n - prefix
     kl = np.zeros((len(runs), scored))
     agree = np.zeros((len(runs), scored), dtype=bool)
@@ -189,7 +189,7 @@ def evaluate(model, tokenizer, text: str, configs: list[CacheConfig], *, tokens:
         bar.close()
     results = []
     for i, (cfg, cache) in enumerate(zip(runs, caches)):
-        kv_bytes, per_el = _cache_bytes(cache)
+        kv_bytes, per_el = cache_bytes(cache)
         results.append({
             "config": cfg.label, "kind": cfg.kind,
             "ppl": math.exp(float(nll[i].mean())),

@@ -21,23 +21,18 @@ def _chat_inputs(tok, prompt: str):
     return dict(tok(prompt, return_tensors="pt"))
 
 
-def _dynamic_bytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
-
-
 def main(args) -> int:
     import torch
     from transformers import DynamicCache
 
     from . import models
-    from .evaluation import _cache_keyword
+    from .evaluation import cache_bytes, cache_keyword
     from .integrations.transformers import KvregCache
 
     model, tok = models.load(args.model)
     inputs = _chat_inputs(tok, args.prompt)
     n_in = inputs["input_ids"].shape[1]
-    kw = _cache_keyword(model)
+    kw = cache_keyword(model)
     rows = []
     outputs = {}
     kv = KvregCache(model, mode=args.kv, backend=args.backend)
@@ -53,7 +48,7 @@ def main(args) -> int:
         dt = time.perf_counter() - t0
         new = out[0, n_in:]
         outputs[label] = new
-        nbytes = cache.memory_bytes() if isinstance(cache, KvregCache) else _dynamic_bytes(cache)
+        nbytes = cache_bytes(cache)[0]
         rows.append((label, len(new) / dt, nbytes))
     first = next(iter(outputs))
     print(f"model: {args.model}  prompt: {args.prompt!r}  ({n_in} prompt tokens)")

@@ -174,11 +174,9 @@ def _dot(typingctx, a, b):
     return types.float32(a, b), codegen
 
 
-@intrinsic
-def _dot4x4(typingctx, q0, q1, q2, q3, k0, k1, k2, k3):
-    """The 16 dots ``<q_i, k_j>`` (``i``-major) with each q and k lane chunk
-    loaded once: the same bits as 16 :func:`_dot` calls, 4x fewer loads."""
-    args = (q0, q1, q2, q3, k0, k1, k2, k3)
+def _q4_dots(args):
+    """Typing and codegen of the 4 x len(args[4:]) lane dots of four q rows
+    against the k rows (shared by :func:`_dot4x4` and :func:`_dot4x1`)."""
     if not all(_f32_vector(t) for t in args):
         return None
 
@@ -187,23 +185,21 @@ def _dot4x4(typingctx, q0, q1, q2, q3, k0, k1, k2, k3):
         out = _lane_reduce(builder, arrs[:4], arrs[4:])
         return context.make_tuple(builder, signature.return_type, out)
 
-    return types.UniTuple(types.float32, 16)(*args), codegen
+    return types.UniTuple(types.float32, 4 * (len(args) - 4))(*args), codegen
+
+
+@intrinsic
+def _dot4x4(typingctx, q0, q1, q2, q3, k0, k1, k2, k3):
+    """The 16 dots ``<q_i, k_j>`` (``i``-major) with each q and k lane chunk
+    loaded once: the same bits as 16 :func:`_dot` calls, 4x fewer loads."""
+    return _q4_dots((q0, q1, q2, q3, k0, k1, k2, k3))
 
 
 @intrinsic
 def _dot4x1(typingctx, q0, q1, q2, q3, k0):
     """The 4 dots ``<q_i, k0>``, each k lane chunk loaded once: the same
     bits as 4 :func:`_dot` calls."""
-    args = (q0, q1, q2, q3, k0)
-    if not all(_f32_vector(t) for t in args):
-        return None
-
-    def codegen(context, builder, signature, vals):
-        arrs = _arrays(context, builder, signature.args, vals)
-        out = _lane_reduce(builder, arrs[:4], arrs[4:])
-        return context.make_tuple(builder, signature.return_type, out)
-
-    return types.UniTuple(types.float32, 4)(*args), codegen
+    return _q4_dots((q0, q1, q2, q3, k0))
 
 
 @intrinsic
