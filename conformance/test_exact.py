@@ -4,6 +4,8 @@
 every mutation in every KV mode, and the wire bytes (f32 and f16).
 """
 
+import struct
+
 import numpy as np
 import pytest
 
@@ -59,6 +61,52 @@ def test_quantize_rows_matches_the_spec(backend, check, hd, field):
         col = np.abs(rng_rows(hd + 2, n, hd)) + np.float32(0.01)
     for group in (KV_K_GROUP, hd):
         _quantize_both(backend, check, x, col, group, f"hd {hd}, field {field}, group {group}")
+
+
+def _bf16_spec(x: float) -> int:
+    """bfloat16 bits of a float32 value, round to nearest, ties to even,
+    written on Python ints (an oracle independent of kvreg.quant)."""
+    b = struct.unpack("<I", struct.pack("<f", x))[0]
+    if x != x:
+        return (b >> 16) | 0x40
+    hi, lo = b >> 16, b & 0xFFFF
+    return (hi + (lo > 0x8000 or (lo == 0x8000 and hi & 1))) & 0xFFFF
+
+
+def _f16_spec(x: float) -> int:
+    """binary16 bits (struct's 'e' rounds to nearest even; past 65520 it is inf)."""
+    if x != x:
+        return struct.unpack("<H", struct.pack("<e", x))[0]
+    try:
+        return struct.unpack("<H", struct.pack("<e", x))[0]
+    except OverflowError:
+        return 0x7C00 | (0x8000 if x < 0 else 0)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", [KvMode.F16, KvMode.BF16], ids=["f16", "bf16"])
+def test_two_byte_storage_rounds_to_nearest_even(backend, check, mode):
+    # ties of each format (the kept half's last bit odd and even), subnormals
+    # of both, the largest finite values, signed zeros, inf; NaN keeps a NaN.
+    specials = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -24,
+                3 * 2.0 ** -25, 1e-40, -1e-40, 65504.0, 65519.0, -65519.0, 3.3895e38, 0.0, -0.0,
+                float("inf"), float("-inf"), 1.1754942e-38, 2.0 ** -149]
+    x = np.concatenate([f32(specials), rng_rows(7, 1, 300, 50.0)[0]])
+    if mode is KvMode.F16:
+        x = x[np.isinf(x) | (np.abs(x) < 65520)]
+    width = 4
+    x = np.concatenate([x, np.zeros(-x.size % (2 * width), np.float32)]).reshape(-1, 2, width)
+    lay = LayerKvCache(2, width, mode, backend)
+    lay.extend(x, -x)
+    spec = _f16_spec if mode is KvMode.F16 else _bf16_spec
+    st = lay.storage
+    for name, sign in (("k", 1), ("v", -1)):
+        got = getattr(st, name)[:, : x.shape[0]].view(np.uint16)
+        want = np.array([[[spec(float(sign * e)) for e in row] for row in x[:, h]] for h in range(2)], np.uint16)
+        check.exact("round_half", got, want, f"{mode.value} {name} bits")
+    nan_row = np.full((1, 2, width), np.nan, np.float32)
+    lay.extend(nan_row, nan_row)
+    check.exact("round_half", np.isnan(lay.head_keys(0)[-1]), np.ones(width, bool), f"{mode.value} NaN stays NaN")
 
 
 def _twins(backend, ref, nkv, hd, mode):

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
+from .modes import KvMode
 from .nystrom import NystromState, O1Rect, o1_deferred_boundary
 
 log = logging.getLogger("kvreg.o1")
@@ -218,8 +219,8 @@ class O1Mixin:
         hd, nkv = self.head_dim, self.num_kv_heads
         if t == 0:
             raise SealError("o1 seal: cannot seal an empty layer")
-        if self.mode.quantized:
-            raise SealError("o1 seal: requires dense F32 KV storage")
+        if self.mode is not KvMode.F32:
+            raise SealError(f"o1 seal: requires dense F32 KV storage, the layer stores {self.mode.value}")
         try:
             num_heads = V.gqa(num_heads, nkv)
         except ShapeError:

@@ -17,6 +17,7 @@ import numpy as np
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
+from .quant import HALF_OVERFLOW, from_half, to_half
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
@@ -206,21 +207,22 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return int(self._st.lens[V.index("kv_head", kv_head, self.num_kv_heads)])
 
     def head_keys(self, kv_head: int) -> np.ndarray:
-        """f32 keys of a head, ``[rows, hd]`` view (empty when K is quantized).
+        """f32 keys of a head, ``[rows, hd]`` read-only (empty when K is int8).
 
-        A view, not a copy: valid until the next mutation of the layer.
+        Under f32 a view, not a copy: valid until the next mutation of the
+        layer; under f16/bf16 the rows widened to float32 (a copy).
         """
         return self._head_view(self._st.k, kv_head)
 
     def head_values(self, kv_head: int) -> np.ndarray:
-        """f32 values of a head, ``[rows, hd]`` view (empty when V is quantized)."""
+        """f32 values of a head, ``[rows, hd]`` read-only (empty when V is int8; as :meth:`head_keys`)."""
         return self._head_view(self._st.v, kv_head)
 
     def _head_view(self, block, kv_head):
         kv_head = V.index("kv_head", kv_head, self.num_kv_heads)
         if block is None:
             return np.zeros((0, self.head_dim), dtype=np.float32)
-        v = block[kv_head, : self._st.lens[kv_head]].view()
+        v = from_half(block[kv_head, : self._st.lens[kv_head]]).view()
         v.flags.writeable = False
         return v
 
@@ -293,6 +295,15 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                     raise ShapeError(f"{name} has {what}: a q8 layer stores finite rows with |x| <= "
                                      f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
                                      f"{KV_COL_WARMUP} rows, would overflow to inf)")
+        elif mode.half:
+            lim = HALF_OVERFLOW[mode.value]
+            for name, x in (("k", k), ("v", v)):
+                xa = np.abs(x[:, heads])
+                # inf and NaN are stored as they are (IEEE, as under f32); a
+                # finite value past the format's range would become inf silently.
+                if ((xa >= lim) & np.isfinite(xa)).any():
+                    raise ShapeError(f"{name} has finite values of magnitude >= {float(lim):.6g}, which "
+                                     f"{mode.value} storage would round to inf: use f32 (or bf16) storage")
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
@@ -324,6 +335,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
                 if t:
                     exact["xk"] = _field_space(kh[:, :t], st.kcol, st.kcol_set, heads)
+            elif mode.half:
+                rows["k"] = to_half(kh, mode.float_dtype)
             else:
                 rows["k"] = kh
             if mode.quant_v:
@@ -332,6 +345,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
                 if t:
                     exact["xv"] = _field_space(vh[:, :t], st.vcol, st.vcol_set, heads)
+            elif mode.half:
+                rows["v"] = to_half(vh, mode.float_dtype)
             else:
                 rows["v"] = vh
         st.append(rows, heads, n, exact)
@@ -459,10 +474,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             # A window past every row reads them all: clamped (as attend_layer).
             window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
-        if self.mode is KvMode.F32 or getattr(self.backend, "native_q8_chunk", False):
+        if self.mode is KvMode.F32 or (self.mode.quantized and getattr(self.backend, "native_q8_chunk", False)):
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
-        # q8: dequantize only the key range the chunk reads, once per call; the
+        # q8, f16, bf16: widen only the key range the chunk reads, once per call; the
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
         view = self._dequantized_view(lo, n)
@@ -643,7 +658,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             for h in range(self.num_kv_heads):
                 n, f = int(st.lens[h]), int(frm[h])
                 if n > f:
-                    x = blk[h, f:n]
+                    x = from_half(blk[h, f:n])
                     m = np.inf if not np.isfinite(x).all() else float(np.abs(x).max())
                     self._kv_amax[i] = max(self._kv_amax[i], m)
         self._kv_amax_rows = rows

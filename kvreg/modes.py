@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import os
 
+import numpy as np
+
 from .errors import ConfigError
 
 #: Positions stored before the per-channel q8 field (2f) freezes.
@@ -20,6 +22,8 @@ Q8_EXACT_ROWS = 1
 
 _ENV_VALUES = {
     "f32": "F32",
+    "f16": "F16",
+    "bf16": "BF16",
     "q8": "Q8",
     "q8k": "Q8K",
     "q8v": "Q8V",
@@ -32,7 +36,9 @@ _ENV_VALUES = {
 class KvMode(enum.Enum):
     """How a layer stores K and V.
 
-    ``F32`` keeps both in float32. The q8 modes keep int8 rows with float32
+    ``F32`` keeps both in float32. ``F16`` and ``BF16`` keep both in two
+    bytes (IEEE binary16, bfloat16), converted with round to nearest, ties
+    to even; kernels read the 2-byte rows and compute in float32. The q8 modes keep int8 rows with float32
     scales (K: one per 32 channels, V: one per row) and each head's first
     rows also in float32 (``q8_exact_rows``): ``Q8`` quantizes K and V,
     ``Q8K`` only K, ``Q8V`` only V. The ``_2F`` modes are the seed's storage
@@ -47,6 +53,8 @@ class KvMode(enum.Enum):
     """
 
     F32 = "f32"
+    F16 = "f16"
+    BF16 = "bf16"
     Q8 = "q8"
     Q8K = "q8k"
     Q8V = "q8v"
@@ -69,7 +77,19 @@ class KvMode(enum.Enum):
 
     @property
     def quantized(self) -> bool:
-        return self is not KvMode.F32
+        """Whether K or V is stored as int8 rows with scales."""
+        return self.quant_k or self.quant_v
+
+    @property
+    def half(self) -> bool:
+        """Whether K and V are stored as 2-byte floats (``F16``, ``BF16``)."""
+        return self in (KvMode.F16, KvMode.BF16)
+
+    @property
+    def float_dtype(self) -> "np.dtype":
+        """The dtype of an unquantized K/V block: float32, float16, or uint16
+        holding bfloat16 bit patterns (numpy has no bfloat16)."""
+        return np.dtype({KvMode.F16: np.float16, KvMode.BF16: np.uint16}.get(self, np.float32))
 
     @classmethod
     def parse(cls, value: "str | KvMode") -> "KvMode":
@@ -84,7 +104,7 @@ class KvMode(enum.Enum):
 
     @classmethod
     def from_env(cls) -> "KvMode":
-        """``KVREG_KV``: unset or ``f32``; ``q8``, ``q8k``, ``q8v``; the seed's
+        """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q8``, ``q8k``, ``q8v``; the seed's
         ``q8_2f``, ``q8k_2f``, ``q8v_2f``.
 
         Unlike the seed (which silently fell back to F32), an unknown value is

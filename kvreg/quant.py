@@ -83,3 +83,44 @@ def freeze_field(q: np.ndarray, s: np.ndarray, group: int) -> tuple[np.ndarray, 
     col = field_rms(rows)
     q2, s2 = quantize_rows(rows, col, group)
     return col, q2, s2
+
+
+# ── 2-byte floats (the f16 and bf16 storage modes) ──
+#
+# Exact class too: round to nearest, ties to even, from float32. numpy's
+# float16 cast is IEEE's (subnormals kept, overflow to ±inf); bfloat16 is the
+# top half of a float32 after adding 0x7FFF plus the kept half's lowest bit
+# (ties to even), NaN quieted first (the add would carry a NaN whose payload
+# sits in the low half into inf).
+
+#: The smallest float32 magnitude each 2-byte format rounds to infinity.
+HALF_OVERFLOW = {"f16": np.float32(65520.0), "bf16": np.float32(3.3961776e38)}
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    with np.errstate(over="ignore"):
+        r = (b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    r = np.where(np.isnan(x), (b >> np.uint32(16)) | np.uint32(0x0040), r)
+    return r.astype(np.uint16)
+
+
+def from_bf16(u: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32, exact."""
+    return (np.asarray(u, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def to_half(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 rows in a 2-byte storage dtype (float16, or uint16 = bfloat16)."""
+    if dtype == np.uint16:
+        return to_bf16(x)
+    with np.errstate(over="ignore"):
+        return np.asarray(x, dtype=np.float32).astype(np.float16)
+
+
+def from_half(a: np.ndarray) -> np.ndarray:
+    """Rows of a K/V block as float32 (a float32 block is returned as is)."""
+    if a.dtype == np.uint16:
+        return from_bf16(a)
+    return a.astype(np.float32, copy=False)

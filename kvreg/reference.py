@@ -29,7 +29,7 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
     span = n - first
     out = np.empty((nh, span), dtype=np.float32)
     if st.k is not None:
-        rows = st.k[g, first:n]
+        rows = quant.from_half(st.k[g, first:n])
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
@@ -82,7 +82,7 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
     hd = st.head_dim
     out = np.empty((nh, hd), dtype=np.float32)
     if st.v is not None:
-        rows = st.v[g, first:n]
+        rows = quant.from_half(st.v[g, first:n])
         for h in range(nh):
             w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
             out[h] = w @ rows
@@ -180,8 +180,8 @@ class ReferenceBackend(Backend):
         mask = (cols[None, :] >= lo[:, None]) & (cols[None, :] < allowed[:, None])
         out = np.empty((b, nh, hd), dtype=np.float32)
         for g in range(nkv):
-            kmat = st.k[g, lo0:n]
-            vmat = st.v[g, lo0:n]
+            kmat = quant.from_half(st.k[g, lo0:n])
+            vmat = quant.from_half(st.v[g, lo0:n])
             qg = q[:, g * hpk:(g + 1) * hpk, :]               # [b, hpk, hd]
             s = np.einsum("bhd,kd->hbk", qg, kmat, optimize=True) * np.float32(scale)
             s = np.where(mask[None], s, -np.inf)

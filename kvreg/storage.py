@@ -38,7 +38,7 @@ from collections import deque
 import numpy as np
 
 from .modes import KV_K_GROUP, KvMode
-from .quant import dequantize_rows, num_groups
+from .quant import dequantize_rows, from_half, num_groups
 
 _GEN = itertools.count(1)
 
@@ -105,11 +105,11 @@ class LayerStorage:
 
     def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
         """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them, float32
-        ``[n-lo, hd]``: f32 storage as stored; q8 ``q·s·col`` with the exact
+        ``[n-lo, hd]``: f32 storage as stored (a view), f16/bf16 widened; q8 ``q·s·col`` with the exact
         rows ``x·col`` (``side`` is ``"k"`` or ``"v"``)."""
         quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
         if not quantized:
-            return getattr(self, side)[h, lo:n]
+            return from_half(getattr(self, side)[h, lo:n])
         if side == "k":
             rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
         else:
@@ -129,9 +129,10 @@ class LayerStorage:
 
     def _alloc(self, cap: int) -> dict[str, np.ndarray]:
         nkv, hd = self.num_kv_heads, self.head_dim
+        fdt = self.mode.float_dtype
         shapes = {
-            "k": ((nkv, cap, hd), np.float32),
-            "v": ((nkv, cap, hd), np.float32),
+            "k": ((nkv, cap, hd), fdt),
+            "v": ((nkv, cap, hd), fdt),
             "kq": ((nkv, cap, hd), np.int8),
             "ks": ((nkv, cap, self.ngk), np.float32),
             "vq": ((nkv, cap, hd), np.int8),
@@ -165,10 +166,10 @@ class LayerStorage:
     def stored_bytes(self) -> int:
         """Bytes of stored elements, counted as the seed's ``memory_bytes``."""
         rows = int(self.lens.sum())
-        hd = self.head_dim
+        hd, w = self.head_dim, self.mode.float_dtype.itemsize
         total = 0
-        total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * 4
-        total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * 4
+        total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * w
+        total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * w
         total += int(self.kcol_set.sum() + self.vcol_set.sum()) * hd * 4
         sides = (self.xk is not None) + (self.xv is not None)
         total += int(self.xlen.sum()) * hd * 4 * sides

@@ -44,9 +44,12 @@ How it fits transformers (5.x):
   enough rows (the seed's deferred boundary, ``w + sink + m + 1``); sealed
   layers decode through ``o1_step``. F32 storage only.
 - dtypes: float32, bfloat16 and float16 models all work. The cache stores
-  the mode's format (F32: float32 rows; q8 modes: int8 rows with float32
-  scales); keys, values and queries are converted to float32 on the way in,
-  and the attention output is converted back to the model's dtype.
+  the mode's format (F32: float32 rows; F16/BF16: 2-byte rows; q8 modes:
+  int8 rows with float32 scales); with no ``mode`` and no ``KVREG_KV`` it
+  stores the model's own dtype (a float16 model gets ``f16``, a bfloat16
+  one ``bf16``: the bytes DynamicCache spends, not twice them). Keys, values
+  and queries are converted to float32 on the way in, and the attention
+  output is converted back to the model's dtype.
 
 Unsupported (a :class:`~kvreg.errors.ConfigError` naming what is supported):
 model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
@@ -54,6 +57,8 @@ model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -76,6 +81,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "KvregCache", "SLIDING_SLACK", "SUPPORTED", "k
 
 #: The name under which the attention and mask functions are registered.
 ATTN_IMPLEMENTATION = "kvreg"
+
+#: The storage a model of each dtype gets when no mode is asked for.
+_DTYPE_MODES = {"torch.float16": KvMode.F16, "torch.bfloat16": KvMode.BF16}
 
 #: model_type -> what it covers. These are the families measured against
 #: ``DynamicCache`` (tests/test_transformers_integration.py).
@@ -174,7 +182,7 @@ class KvregCache(Cache):
     :data:`SUPPORTED`); constructing the cache registers the ``"kvreg"``
     attention and switches the model to it (harmless for other caches).
     ``mode``: a :class:`kvreg.KvMode` or its name (None: ``KVREG_KV``, else
-    f32). ``backend``: a kvreg backend name or instance (None:
+    the model's dtype: f32, f16 or bf16). ``backend``: a kvreg backend name or instance (None:
     ``KVREG_BACKEND``). ``policy`` / ``budget`` / ``sink``: eviction of the
     global layers at ``budget`` rows (see the module docstring; a budget
     without a policy uses ``EvictionPolicy.Born(sink=4)``). ``o1=(m, w,
@@ -195,7 +203,9 @@ class KvregCache(Cache):
         if device.type != "cpu":
             raise ConfigError(f"KvregCache runs on the CPU (kvreg's backends take host arrays); the model is on "
                               f"{device}. Move it with model.to('cpu')")
-        self.mode = KvMode.from_env() if mode is None else KvMode.parse(mode)
+        if mode is None:
+            mode = os.environ.get("KVREG_KV", "").strip() or _DTYPE_MODES.get(str(model.dtype), KvMode.F32)
+        self.mode = KvMode.parse(mode)
         if budget is not None:
             V.positive_int("budget", budget)
             budget = int(budget)

@@ -30,12 +30,15 @@ __all__ = [
 
 
 def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int, exact, xlen) -> np.ndarray:
-    """Rows ``[0, n)`` of KV head ``g`` as float64 ``[n, hd]``: the f32 block
-    when stored, else ``q * scale(group of d) * field`` in float64 (the oracle
+    """Rows ``[0, n)`` of KV head ``g`` as float64 ``[n, hd]``: the f32 (or
+    f16/bf16) block when stored, else ``q * scale(group of d) * field`` in float64 (the oracle
     dequantizes so that it checks the kernel's math, not the quantization),
     the exact rows ``x * field``."""
     if f32 is not None:
-        return np.array(f32[g, :n], dtype=np.float64)
+        rows = f32[g, :n]
+        if rows.dtype == np.uint16:  # bfloat16 bit patterns: the top half of a float32
+            rows = (rows.astype(np.uint32) << np.uint32(16)).view(np.float32)
+        return np.array(rows, dtype=np.float64)
     hd = q.shape[2]
     sc = s[g, :n].astype(np.float64).reshape(n, -1)          # [n, groups]
     out = q[g, :n].astype(np.float64) * sc[:, np.arange(hd) // group]
