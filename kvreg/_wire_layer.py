@@ -1,17 +1,60 @@
-"""Wire export/import of a layer (format and refusals: docs/wire.md)."""
+"""Wire export/import of a layer (format, refusals and the mode policy: docs/wire.md)."""
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
 from . import _validate as V
-from .errors import ConfigError, WireError
+from .errors import ConfigError, KvregError, WireError
 from .modes import KvMode
 from .storage import LayerStorage
-from .wire import BoundedRecord, Expect, LayerState, WireKind, check_exportable, decode_layer, encode_layer
+from .wire import (
+    BlockRecord, BlockSpec, BoundedRecord, Expect, LayerState, RowClass, StorageRecord, StorageSchema,
+    WireKind, check_exportable, decode_layer, encode_layer,
+)
 
 
 _LAYER_KINDS = (WireKind.Full, WireKind.Linear, WireKind.Bounded)
+#: The exact rows of a quantized side, and the frozen 2f field (per head).
+_EXACT_BLOCKS = ("xk", "xv")
+_FIELD_BLOCKS = ("kcol", "vcol", "kcol_set", "vcol_set")
+
+
+@functools.lru_cache(maxsize=256)
+def storage_schema(num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int) -> StorageSchema:
+    """What a ``LayerStorage(num_kv_heads, head_dim, mode, exact_rows)`` holds,
+    read from a fresh one (so a mode whose storage declares its blocks needs no
+    change here): every ``block_names()`` array (ROWS), the exact rows
+    ``xk``/``xv`` it allocated (EXACT), and under a field mode the frozen
+    per-channel field ``kcol``/``vcol`` with ``kcol_set``/``vcol_set`` (HEAD)."""
+    st = LayerStorage(num_kv_heads, head_dim, mode, exact_rows)
+    st.reserve(1)
+    blocks = [BlockSpec(n, RowClass.ROWS, getattr(st, n).dtype, getattr(st, n).shape[2:]) for n in st.block_names()]
+    exact = [n for n in _EXACT_BLOCKS if getattr(st, n, None) is not None]
+    blocks += [BlockSpec(n, RowClass.EXACT, getattr(st, n).dtype, getattr(st, n).shape[2:]) for n in exact]
+    if getattr(mode, "field", False):
+        blocks += [BlockSpec(n, RowClass.HEAD, getattr(st, n).dtype, getattr(st, n).shape[1:])
+                   for n in _FIELD_BLOCKS]
+    return StorageSchema(mode.value, int(st.exact_cap) if exact else 0, tuple(blocks))
+
+
+def storage_record(st: LayerStorage) -> StorageRecord:
+    """The v3 record of a storage: its blocks' stored rows, per head."""
+    schema = storage_schema(st.num_kv_heads, st.head_dim, st.mode, st.exact_cap)
+    nkv = st.num_kv_heads
+    blocks = []
+    for sp in schema.blocks:
+        a = getattr(st, sp.name)
+        if sp.rows is RowClass.HEAD:
+            data = a
+        else:
+            counts = st.lens if sp.rows is RowClass.ROWS else st.xlen
+            data = [np.zeros((0,) + sp.shape, sp.dtype) if a is None else a[h, : int(counts[h])]
+                    for h in range(nkv)]
+        blocks.append(BlockRecord(sp, data))
+    return StorageRecord(schema.mode, schema.exact_cap, st.lens, st.xlen, blocks)
 
 
 class WireMixin:
@@ -51,16 +94,36 @@ class WireMixin:
         self._wire_identity = V.integer("wire_identity", identity, 0, 0xFFFF_FFFF_FFFF_FFFF)
 
     def export_wire(self, f16: bool = False) -> bytes:
-        """This layer's state as a v2 wire record (the seed's bytes exactly).
+        """This layer's state as a wire record (docs/wire.md).
 
-        Refuses rather than travelling half-complete: q8 storage, an O(1)
-        overlay or frozen fields under F32 hold state the format does not
-        describe. ``f16`` halves the K/V payloads (round to nearest even);
-        recurrent and importance vectors stay f32.
+        An F32 layer, and every Linear or Bounded wire kind, writes v2 (the
+        seed's bytes exactly): ``f16`` halves its K/V payloads (round to
+        nearest even); recurrent and importance vectors stay f32. A Full
+        layer of any other storage mode (q8 modes, f16, bf16, ...) writes v3:
+        its storage's own blocks, bit for bit (the int8 rows and scales, the
+        exact rows, the frozen field and the freeze state), so the importer
+        holds exactly this storage; ``f16=True`` is refused there (the rows
+        already are in their stored format).
+
+        Refuses rather than travelling half-complete: an O(1) overlay, or
+        frozen fields under F32, hold state the format does not describe.
         """
         f16 = V.flag("f16", f16)
         st = self._st
-        check_exportable(st.mode is KvMode.F32, self._o1 is not None, st.field_frozen())
+        if self.wire_kind == WireKind.Full and st.mode is not KvMode.F32:
+            check_exportable(True, self._o1 is not None, False)
+            if f16:
+                raise WireError(f"kv export: f16=True rounds F32 rows; this {st.mode.value} layer exports its "
+                                "storage's own blocks exactly (v3): export with f16=False")
+            empty = [np.zeros((0, self.head_dim), np.float32)] * self.num_kv_heads
+            state = LayerState(
+                kind=WireKind.Full, identity=self.wire_identity, layer=self.wire_layer, position=self.pos_len,
+                base=self._base, seq_len=self._seq_len, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                linear_state=self.linear_state, imp=st.imp, k=empty, v=empty, storage=storage_record(st),
+            )
+            return encode_layer(state, f16=False)
+        # v2: the Linear/Bounded kinds carry no rows, whatever the mode.
+        check_exportable(True, self._o1 is not None, st.mode is KvMode.F32 and st.field_frozen())
         bounded = None
         if self.wire_kind == WireKind.Bounded:
             b = self.bounded
@@ -90,10 +153,26 @@ class WireMixin:
     def import_wire(self, buf) -> None:
         """Install a peer's state over this layer.
 
-        Accepts the versioned wire (magic ``CMFS``) and, for full/linear
-        layers, the legacy unversioned body. The whole blob is decoded and
-        checked first; a refused import raises :class:`WireError` and leaves
-        the layer exactly as it was. Learned sinks are weights: kept.
+        Accepts the versioned wire (magic ``CMFS``, v2 and v3) and, for
+        full/linear layers, the legacy unversioned body. The layer's mode
+        never changes (docs/wire.md, "Mode policy"):
+
+        * a v3 record of this layer's mode is installed exactly: the same
+          storage bit for bit (its re-export is byte-identical, attention
+          answers identically, a q8_2f layer not frozen yet freezes as the
+          exporter would). Its exact-row capacity must equal this layer's
+          ``q8_exact_rows``;
+        * a v2 (F32) record into a layer of another mode is converted: its
+          rows are stored as :meth:`extend` would store them on an empty
+          layer (head ``h`` alive at the first ``rows_h`` positions), then its
+          importance, linear state and base are installed; rows that mode
+          cannot store (inf/NaN under q8, past ±65504 under f16) are refused;
+        * a v3 record of another mode is refused, naming both modes (set
+          ``layer.mode`` on an empty layer first).
+
+        The whole blob is decoded and checked first; a refused import raises
+        :class:`WireError` and leaves the layer exactly as it was. Learned
+        sinks are weights: kept.
         """
         rec = decode_layer(buf, self._wire_expect())
         self._check_record(rec)
@@ -106,12 +185,94 @@ class WireMixin:
             layer=self.wire_layer, kind=self.wire_kind,
             bounded_window=None if self.bounded is None else self.bounded.window,
             linear_wire_allowed=self._linear_wire_allowed,
+            storage=storage_schema(self.num_kv_heads, self.head_dim, self.mode, self.q8_exact_rows),
         )
+
+    def _converted(self, rec: LayerState) -> LayerStorage:
+        """A v2 Full record's rows stored as :meth:`extend` stores them on an
+        empty layer of this layer's mode and backend (memoized on ``rec``)."""
+        memo = getattr(rec, "_kvreg_converted", None)
+        if memo is not None and memo[0] is self and memo[1] is self._st.mode:
+            return memo[2]
+        nkv, hd = self.num_kv_heads, self.head_dim
+        from .layer import LayerKvCache   # the layer module imports this one
+
+        tmp = LayerKvCache(nkv, hd, self.mode, self.backend, q8_exact_rows=self.q8_exact_rows)
+        rows = np.array([a.shape[0] for a in rec.k], dtype=np.int64)
+        # Head h is alive at the first rows[h] positions: one extend per run
+        # of positions with the same alive heads (all of them, commonly).
+        cuts = sorted({0, rec.seq_len, *rows.tolist()})
+        for p0, p1 in zip(cuts, cuts[1:]):
+            alive = rows > p0
+            n = p1 - p0
+            if alive.any():
+                k = np.zeros((n, nkv, hd), np.float32)
+                v = np.zeros((n, nkv, hd), np.float32)
+                for h in np.flatnonzero(alive):
+                    k[:, h] = rec.k[h][p0:p1]
+                    v[:, h] = rec.v[h][p0:p1]
+            else:
+                # Positions no head stores: counted, never read (no copy).
+                k = v = np.broadcast_to(np.zeros((1, 1, 1), np.float32), (n, nkv, hd))
+            try:
+                tmp._extend(k, v, alive)
+            except KvregError as e:
+                raise self._conversion_error(rec, rows, p0, p1, alive, e) from None
+        fresh = tmp._st
+        fresh._imp[: rec.imp.shape[0]] = rec.imp
+        rec._kvreg_converted = (self, self._st.mode, fresh)
+        return fresh
+
+    def _conversion_error(self, rec, rows, p0, p1, alive, err) -> WireError:
+        """The refusal of rows this mode cannot store, at the byte of the
+        first non-finite or largest value in the run extend refused."""
+        at = None
+        if rec.payload_at:
+            worst = None
+            for h in np.flatnonzero(alive):
+                for side, (arr, off) in enumerate(((rec.k[h], rec.payload_at[h][0]), (rec.v[h], rec.payload_at[h][1]))):
+                    seg = np.abs(arr[p0:p1])
+                    key = np.where(np.isfinite(seg), seg, np.inf)
+                    i = int(np.argmax(key)) if key.size else 0
+                    if key.size and (worst is None or key.flat[i] > worst[0]):
+                        worst = (key.flat[i], off + (p0 * self.head_dim + i) * rec.payload_width)
+            at = None if worst is None else worst[1]
+        msg = (f"kv import: this {self.mode.value} layer cannot store the F32 record's rows as extend would "
+               f"(positions {p0}..{p1 - 1}): {err}")
+        e = WireError(msg if at is None else f"{msg} (at byte {at})")
+        e.offset = at
+        return e
+
+    def _storage_from(self, rec: LayerState) -> LayerStorage:
+        """A fresh storage of this layer's mode holding a v3 record's blocks
+        bit for bit (decode checked mode, exact capacity, block table, counts)."""
+        s = rec.storage
+        fresh = self._new_storage(self.mode)
+        fresh.reserve(max(int(s.lens.max(initial=0)), rec.seq_len))
+        for b in s.blocks:
+            dst = getattr(fresh, b.spec.name)
+            if b.spec.rows is RowClass.HEAD:
+                dst[...] = b.data
+                continue
+            for h, a in enumerate(b.data):
+                if a.shape[0]:
+                    dst[h, : a.shape[0]] = a
+        fresh.lens[:] = s.lens
+        fresh.xlen[:] = s.xlen
+        fresh._imp[: rec.imp.shape[0]] = rec.imp
+        fresh.seq_len = rec.seq_len
+        return fresh
 
     def _check_record(self, rec: LayerState) -> None:
         """What installing ``rec`` would refuse, refused now as a WireError:
         with this, :meth:`_apply_record` cannot fail, so a whole-cache import
         checks every layer before the first one changes."""
+        if rec.storage is not None and rec.storage.mode != self.mode.value:
+            # decode_layer refused this already against this layer's Expect.
+            raise WireError(f"kv import: the record stores {rec.storage.mode} rows, this layer stores "
+                            f"{self.mode.value}")
+        if rec.kind in (WireKind.Full, WireKind.FullTail) and rec.storage is None and self.mode is not KvMode.F32:
+            self._converted(rec)
         if rec.kind == WireKind.Bounded:
             b = rec.bounded
             for name, ring in (("K", b.ring_k), ("V", b.ring_v)):
@@ -123,9 +284,15 @@ class WireMixin:
 
     def _apply_record(self, rec: LayerState) -> None:
         # Nothing below can fail: the record is complete and checked
-        # (decode_layer, then _check_record).
-        fresh = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
-        if rec.kind in (WireKind.Full, WireKind.FullTail):
+        # (decode_layer, then _check_record). The mode stays this layer's.
+        fresh = self._new_storage(self.mode)
+        if rec.storage is not None:
+            fresh = self._storage_from(rec)
+            self.linear_state = rec.linear_state
+        elif rec.kind in (WireKind.Full, WireKind.FullTail) and self.mode is not KvMode.F32:
+            fresh = self._converted(rec)
+            self.linear_state = rec.linear_state
+        elif rec.kind in (WireKind.Full, WireKind.FullTail):
             rows = max((a.shape[0] for a in rec.k), default=0)
             # A record of positions with no row and no importance (a depth
             # counter) gets zero mass per position: the storage then counts

@@ -62,7 +62,8 @@ def _busy_layer():
     lambda b: b[:-1],                                   # truncated payload
     lambda b: b + b"\0",                                # trailing byte
     lambda b: b[:20],                                   # truncated header
-    lambda b: b[:4] + struct.pack("<I", 3) + b[8:],     # version
+    lambda b: b[:4] + struct.pack("<I", 4) + b[8:],     # version
+    lambda b: b[:4] + struct.pack("<I", 3) + b[8:],     # a v2 body read as v3
     lambda b: b[:16] + struct.pack("<I", 7) + b[20:],   # layer
     lambda b: b[:20] + bytes([9]) + b[21:],             # unknown kind
     lambda b: b[:24] + struct.pack("<Q", 99) + b[32:],  # position vs rows
@@ -89,13 +90,17 @@ def test_a_huge_count_fails_at_once_without_allocating():
         layer(1, 4).import_wire(blob)
 
 
-def test_import_resets_a_q8_layer_to_f32_storage_as_the_seed_does():
+def test_an_f32_record_into_a_q8_layer_keeps_its_mode_and_stores_the_rows_as_append_does():
+    # The seed replaced a q8 layer's storage by F32 (4x the memory, silently);
+    # the mode policy (docs/wire.md) keeps the layer's mode.
     src = layer(1, 4)
     src.append(np.ones(4, np.float32), np.ones(4, np.float32))
     dst = layer(1, 4, KvMode.Q8)
     dst.import_wire(src.export_wire())
-    assert dst.mode is KvMode.F32
-    assert np.array_equal(dst.head_keys(0), src.head_keys(0))
+    want = layer(1, 4, KvMode.Q8)
+    want.append(np.ones(4, np.float32), np.ones(4, np.float32))
+    assert dst.mode is KvMode.Q8
+    assert dst.export_wire() == want.export_wire()
 
 
 def test_cache_container_round_trips_every_layer():

@@ -341,7 +341,7 @@ def test_legacy_body_refused_on_a_bounded_layer():
 
 
 def test_refuses_another_wire_version():
-    refusal(patch(full_blob(), 4, "<I", 3), Expect(2, 4), "wire version 3, this runtime speaks 2")
+    refusal(patch(full_blob(), 4, "<I", 4), Expect(2, 4), "wire version 4, this runtime speaks 2 and 3")
 
 
 def test_refuses_another_operator_identity():
