@@ -1,12 +1,13 @@
 """Whole-cache imports are all or nothing, and what an import installs is
 what the backend then reads (issue 18 item 1: a bad Bounded record after
-good ones failed at install, after the earlier layers had changed)."""
+good ones failed at install, after the earlier layers had changed), for v2
+records as for v3 records of quantized storage."""
 
 import struct
 
 import pytest
 
-from kvreg import KvCache, KvMode, WireError
+from kvreg import KvCache, KvMode, LayerKvCache, WireError
 from kvreg.bounded import BoundedRope, BoundedWeights
 from kvreg.wire import decode_cache, encode_cache
 
@@ -89,3 +90,56 @@ def test_an_import_at_the_same_position_is_what_the_next_step_reads(backend, che
                     f"step {p} after importing a ring at the same position")
     for got, want in zip(answers(dst), answers(src)):
         check.exact("attend_layer", got, want, "Full layers after the import")
+
+
+def q8_cache(backend, mode, seed):
+    """Three Full layers of a storage mode (v3 records), rows from ``seed``."""
+    c = KvCache(3, NKV, HD, 4096, mode=mode, backend=backend, q8_exact_rows=2)
+    for i, layer in enumerate(c.layers):
+        n = 20 + 30 * i   # layer 2 passes the 2f freeze (64 rows), layer 0 does not
+        layer.extend(rng_rows(seed + i, n, NKV * HD).reshape(n, NKV, HD),
+                     rng_rows(seed + 10 + i, n, NKV * HD).reshape(n, NKV, HD))
+    return c
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8_2F, KvMode.Q8V], ids=lambda m: m.value)
+@pytest.mark.parametrize("where", ["last truncated", "last mode", "last exact rows", "last lens"])
+def test_a_bad_v3_record_after_good_ones_changes_no_layer(backend, check, mode, where):
+    src, dst = q8_cache(backend, mode, 1), q8_cache(backend, mode, 2)
+    parts = decode_cache(src.export_wire())
+    check.equal("wire", [p[4] for p in parts], [3, 3, 3], "non-F32 layers write v3")
+    b = bytearray(parts[2])
+    m = struct.unpack_from("<I", b, 32)[0]
+    if where == "last truncated":
+        del b[-3:]
+    elif where == "last mode":
+        # a sound record of layer 2, but of another mode: refused by the mode policy
+        other = LayerKvCache(NKV, HD, KvMode.Q8K if mode is not KvMode.Q8K else KvMode.Q8, backend,
+                             layer=2, q8_exact_rows=2)
+        other.append(rng_rows(5, 1, NKV * HD)[0], rng_rows(6, 1, NKV * HD)[0])
+        b = bytearray(other.export_wire())
+    elif where == "last exact rows":
+        struct.pack_into("<I", b, 36 + m + 12, 3)
+    else:
+        struct.pack_into("<I", b, 36 + m + 28 + 4 * struct.unpack_from("<I", b, 36 + m + 20)[0], 999)
+    parts[2] = bytes(b)
+    before = state(dst)
+    q = rng_rows(77, NKV * HPK, HD)
+    outs = [x.attend_layer(q, importance=False) for x in dst.layers]
+    try:
+        dst.import_wire(encode_cache(parts))
+    except WireError:
+        pass
+    else:
+        raise AssertionError(f"kernel wire on backend {backend.name!r}: import accepted a container with {where}")
+    check.equal("wire", state(dst) == before, True, f"{mode.value} {where}: a refused import left every layer")
+    for x, want in zip(dst.layers, outs):
+        check.exact("attend_layer", x.attend_layer(q, importance=False), want, f"{where}: answers after a refusal")
+    # the good container installs, and the backend then reads what was sent
+    good = src.export_wire()
+    dst.import_wire(good)
+    check.equal("wire", dst.export_wire() == good, True, "re-export of the installed container")
+    for x, y in zip(dst.layers, src.layers):
+        check.exact("attend_layer", x.attend_layer(q, importance=False), y.attend_layer(q, importance=False),
+                    f"{mode.value}: the installed storage answers as the exporter's")
