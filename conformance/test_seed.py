@@ -89,10 +89,19 @@ def test_wire_round_trip_reproduces_attention(backend, check):
         check.exact("attend_group", sb, sa, f"wire round trip, head {h} probabilities")
 
 
-def test_wire_refuses_what_it_cannot_describe(backend):
+def test_wire_describes_q8_storage_beyond_the_seed(backend):
+    # The seed refused to export q8 (v2 cannot describe int8 rows); wire v3
+    # carries them exactly, and refuses only the f16 payload flag (which
+    # would round F32 rows, and a q8 layer has none).
     c = lay(backend, 1, 4, KvMode.Q8_2F)
-    with pytest.raises(ValueError, match="F32"):
-        c.export_wire(False)
+    c.append(f32([1, 2, 3, 4]), f32([4, 3, 2, 1]))
+    blob = c.export_wire(False)
+    assert blob[:4] == b"CMFS" and blob[4] == 3
+    d = lay(backend, 1, 4, KvMode.Q8_2F)
+    d.import_wire(blob)
+    assert d.export_wire(False) == blob
+    with pytest.raises(ValueError, match="f16=False"):
+        c.export_wire(True)
 
 
 def test_wire_refuses_unversioned_delta_state(backend):

@@ -440,11 +440,16 @@ def test_q8_memory_is_at_most_028_of_f32_at_hd128():
 
 
 @pytest.mark.parametrize("mode", Q8_MODES)
-def test_q8_export_wire_refuses(mode):
+def test_q8_exports_wire_v3_and_refuses_f16_payloads(mode):
     c = layer(1, 4, mode)
     c.append(f32([1, 2, 3, 4]), f32([1, 2, 3, 4]))
-    with pytest.raises(WireError, match="F32"):
-        c.export_wire()
+    blob = c.export_wire()
+    assert blob[4] == 3  # v3: the int8 rows and scales as stored
+    d = layer(1, 4, mode)
+    d.import_wire(blob)
+    assert d.export_wire() == blob
+    with pytest.raises(WireError, match="f16=False"):
+        c.export_wire(True)
 
 
 @pytest.mark.parametrize("mode", Q8_MODES)
