@@ -1,7 +1,8 @@
 """``NumbaBackend``: kvreg's kernels compiled for the CPU with Numba.
 
 Native kernels: ``attend_group``, ``attend_layer`` (one parallel kernel for
-every KV group: the decode fast path), ``attend_chunk`` (BLAS GEMMs with a
+every KV group: the decode fast path; f16/bf16 blocks read as stored, 2
+bytes an element, widened in registers), ``attend_chunk`` (BLAS GEMMs with a
 fused Numba masked softmax), ``quantize_rows`` and ``gather_rows`` (exact
 class), ``bounded_attend`` (one parallel kernel, :mod:`kvreg_numba.ring`) and
 the Nyström ``nystrom_prefill``/``nystrom_absorb``/``nystrom_step`` (serial
@@ -97,8 +98,9 @@ class NumbaBackend(ReferenceBackend):
         )
 
     def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
-        if st.k is None or st.v is None:
-            # The core hands q8 layers over as a dequantized F32 view.
+        if st.k is None or st.v is None or st.k.dtype != np.float32 or st.v.dtype != np.float32:
+            # The core hands q8 and f16/bf16 layers over as a dequantized F32
+            # view; anything else takes the reference (which widens per slice).
             return super().attend_chunk(q, st, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
         return self._k.attend_chunk(q, st.k, st.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
 
@@ -118,6 +120,8 @@ class NumbaBackend(ReferenceBackend):
     def gather_rows(self, rows, idx):
         idx = np.ascontiguousarray(idx, dtype=np.int64)
         if rows.ndim == 2 and rows.flags.c_contiguous:
+            if rows.dtype == np.float16:  # numba has no float16 on the CPU: move the bits
+                return self._k.gather_rows(rows.view(np.uint16), idx).view(np.float16)
             return self._k.gather_rows(rows, idx)
         return rows[idx]  # 1-D scales: a plain copy is all there is to it
 

@@ -69,3 +69,11 @@ CACHE = os.environ.get("KVREG_NUMBA_CACHE", "1") != "0"
 
 #: Bytes streamed by :func:`kvreg_numba.bandwidth.stream_read_bandwidth`.
 BANDWIDTH_BYTES = 512 << 20
+
+#: How the kernels widen binary16 (f16 storage) rows: ``"auto"`` uses LLVM's
+#: ``fpext half -> float`` where numba targets a CPU with F16C (x86's
+#: conversion instructions), else an exact integer decode
+#: (:func:`kvreg_numba.kernels._ir_widen`); ``"0"`` forces the integer
+#: decode (the tests run it too). Read once, when the kernels are imported.
+#: ``KVREG_NUMBA_F16_FPEXT``.
+F16_FPEXT = os.environ.get("KVREG_NUMBA_F16_FPEXT", "auto").strip().lower()

@@ -4,7 +4,9 @@ Nothing here knows about kvreg's objects: every kernel takes the storage
 arrays of one layer (head-major ``[nkv, cap, hd]`` blocks, see the table in
 docs/kernels.md) and plain scalars. Absent storages are passed as empty
 arrays of the same dtype and rank, so one compiled specialization serves
-every mode (F32, Q8, Q8K, Q8V) and the first call compiles once.
+every mode (F32, Q8, Q8K, Q8V) and the first call compiles once; the 2-byte
+modes (F16, BF16) are one more specialization each of the same code, their
+blocks read as stored and widened in registers (:func:`_ir_widen`).
 
 Decode attention is flash-decoding: the visible rows ``[first, n)`` of a KV
 group are cut into blocks of ``block`` rows ANCHORED AT ``first``; a block
@@ -35,7 +37,9 @@ from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
 
 _FM = set(config.FASTMATH)
-_CACHE = config.CACHE
+# The on-disk cache does not see how binary16 rows are widened (an
+# intrinsic's codegen): a forced integer decode compiles in memory only.
+_CACHE = config.CACHE and config.F16_FPEXT == "auto"
 
 #: Channels per K scale (kvreg.modes.KV_K_GROUP; the backend checks they agree).
 K_GROUP = 32
@@ -67,6 +71,101 @@ def _f32_from_bits(typingctx, x):
     return sig, codegen
 
 
+# ---------------------------------------------------------------------------
+# 2-byte K/V rows (the f16 and bf16 storage modes), widened in registers
+# ---------------------------------------------------------------------------
+#
+# The kernels take a K/V block in one of three dtypes, each its own numba
+# specialization of the same code: float32 (f32 storage), int16 (the bits of
+# IEEE binary16: f16 storage viewed as int16, numba has no float16 on the
+# CPU) and uint16 (bfloat16 bit patterns, as kvreg stores them). Every load
+# of a K or V element goes through :func:`_ir_widen`, so a 2-byte block is
+# read as it is stored (2 bytes an element, no float32 copy) and widened in
+# registers. Both widenings are exact, so a half layer gives the bits the
+# float32 kernel gives on the widened rows (same reductions, same order).
+
+#: numpy dtype of the array a kernel receives per storage dtype.
+KV_KERNEL_DTYPES = {np.dtype(np.float32): np.float32, np.dtype(np.float16): np.int16,
+                    np.dtype(np.uint16): np.uint16}
+
+
+def _target_has_f16c() -> bool:
+    """Whether numba compiles for a CPU with F16C (x86's binary16 <-> float32
+    conversion instructions): the features numba's JIT targets, i.e.
+    ``NUMBA_CPU_FEATURES`` when set, else the host's."""
+    from numba.core import config as nconfig
+    from numba.core.codegen import get_host_cpu_features
+
+    feats = nconfig.CPU_FEATURES if nconfig.CPU_FEATURES is not None else get_host_cpu_features()
+    return "+f16c" in str(feats).split(",")
+
+
+#: binary16 rows widen with LLVM's ``fpext half -> float`` (one vcvtph2ps per
+#: 8 or 16 elements) where the target has F16C; elsewhere with the integer
+#: decode of :func:`_ir_widen` (exact too, measured 2.3x slower at 16k rows:
+#: a libcall per element would be worse still). Read once, at import; numba's
+#: on-disk cache is keyed on the CPU features, so a cached kernel never runs
+#: on a CPU without them.
+F16_FPEXT = config.F16_FPEXT not in ("0", "off", "false", "no") and _target_has_f16c()
+
+
+def _splat(ty, value):
+    """A constant of the scalar or vector type ``ty`` holding ``value`` in every lane."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [value] * ty.count)
+    return ir.Constant(ty, value)
+
+
+def _ir_widen(builder, val, kind):
+    """IR of one K/V element (or a vector of them) as float32: ``kind`` is
+    the numba dtype of the block (float32: as is; uint16: bfloat16 bits,
+    ``uint32(bits) << 16``; int16: binary16 bits, decoded exactly with
+    integer operations and selects, no branch, so the loops stay vectorized:
+    normal numbers re-biased, subnormals as ``mantissa * 2^-24`` (exact:
+    every one is a normal float32, so flush-to-zero cannot touch it), inf and
+    NaN to float32's all-ones exponent with the payload shifted up as numpy
+    does)."""
+    if kind == types.float32:
+        return val
+    vec = isinstance(val.type, ir.VectorType)
+    i32 = ir.VectorType(ir.IntType(32), val.type.count) if vec else ir.IntType(32)
+    f32 = ir.VectorType(ir.FloatType(), val.type.count) if vec else ir.FloatType()
+    if kind == types.uint16:
+        h = builder.zext(val, i32)
+        return builder.bitcast(builder.shl(h, _splat(i32, 16)), f32)
+    assert kind == types.int16, kind
+    if F16_FPEXT:
+        ht = ir.VectorType(ir.HalfType(), val.type.count) if vec else ir.HalfType()
+        return builder.fpext(builder.bitcast(val, ht), f32)
+    h = builder.zext(val, i32)
+    sign = builder.shl(builder.and_(h, _splat(i32, 0x8000)), _splat(i32, 16))
+    em = builder.and_(h, _splat(i32, 0x7FFF))
+    e = builder.lshr(em, _splat(i32, 10))
+    man = builder.and_(h, _splat(i32, 0x3FF))
+    sh = builder.shl(em, _splat(i32, 13))
+    normal = builder.add(sh, _splat(i32, 112 << 23))
+    special = builder.or_(sh, _splat(i32, 0x7F800000))
+    sub = builder.bitcast(builder.fmul(builder.sitofp(man, f32), _splat(f32, 2.0 ** -24)), i32)
+    bits = builder.select(builder.icmp_unsigned("==", e, _splat(i32, 31)), special, normal)
+    bits = builder.select(builder.icmp_unsigned("==", e, _splat(i32, 0)), sub, bits)
+    return builder.bitcast(builder.or_(bits, sign), f32)
+
+
+_KV_KINDS = (types.float32, types.int16, types.uint16)
+
+
+@intrinsic
+def _widen(typingctx, x):
+    """One K/V element as float32 (see :func:`_ir_widen`); float32 is returned as is."""
+    if x not in _KV_KINDS:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _ir_widen(builder, args[0], signature.args[0])
+
+    return types.float32(x), codegen
+
+
 #: Lanes of the fixed-order reductions (:func:`_dot`, :func:`_sum`): lane
 #: ``j`` sums the elements ``j, j + 16, ...``, then the lanes are added in a
 #: fixed tree and the short tail in order. Elementwise vector IEEE
@@ -83,7 +182,7 @@ def _ir_fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _lane_reduce(builder, xs, ys):
+def _lane_reduce(builder, xs, ys, ykind=types.float32):
     """IR of the fixed-order reductions over 1-D contiguous float32 arrays
     of the length of ``xs[0]``: ``sum_i x[i] * y[i]`` for every pair of
     ``xs`` x ``ys`` (x-major), or ``sum_i x[i]`` per ``x`` when ``ys`` is
@@ -105,11 +204,15 @@ def _lane_reduce(builder, xs, ys):
     with cgutils.for_range(builder, nvec) as loop:
         off = builder.mul(loop.index, ir.Constant(intp, LANES))
 
-        def vload(arr):
-            return builder.load(builder.bitcast(builder.gep(arr.data, [off]), vt.as_pointer()), align=4)
+        def vload(arr, kind=types.float32):
+            if kind == types.float32:
+                return builder.load(builder.bitcast(builder.gep(arr.data, [off]), vt.as_pointer()), align=4)
+            ht = ir.VectorType(ir.IntType(16), LANES)  # 2-byte rows: widened in registers
+            raw = builder.load(builder.bitcast(builder.gep(arr.data, [off]), ht.as_pointer()), align=2)
+            return _ir_widen(builder, raw, kind)
 
         vx = [vload(x) for x in xs]
-        vy = [vload(y) for y in ys] if ys is not None else None
+        vy = [vload(y, ykind) for y in ys] if ys is not None else None
         for acc, (a, b) in zip(accs, pairs):
             if b is None:
                 builder.store(builder.fadd(builder.load(acc), vx[a]), acc)
@@ -128,7 +231,8 @@ def _lane_reduce(builder, xs, ys):
     start = builder.mul(nvec, ir.Constant(intp, LANES))
     with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (i, _):
         sx = [builder.load(builder.gep(x.data, [i])) for x in xs]
-        sy = [builder.load(builder.gep(y.data, [i])) for y in ys] if ys is not None else None
+        sy = [_ir_widen(builder, builder.load(builder.gep(y.data, [i])), ykind) for y in ys] \
+            if ys is not None else None
         for tot, (a, b) in zip(totals, pairs):
             if b is None:
                 builder.store(builder.fadd(builder.load(tot), sx[a]), tot)
@@ -155,6 +259,11 @@ def _f32_vector(t):
     return isinstance(t, types.Array) and t.ndim == 1 and t.dtype == types.float32
 
 
+def _kv_vector(t):
+    """A 1-D K/V row: float32, or 2-byte (int16 = binary16 bits, uint16 = bfloat16 bits)."""
+    return isinstance(t, types.Array) and t.ndim == 1 and t.dtype in _KV_KINDS
+
+
 def _arrays(context, builder, tys, vals):
     return [context.make_array(t)(context, builder, v) for t, v in zip(tys, vals)]
 
@@ -164,12 +273,12 @@ def _dot(typingctx, a, b):
     """``<a, b>`` of two contiguous 1-D float32 arrays of equal length, in the
     fixed order of :func:`_lane_reduce`; the caller guarantees contiguity
     and lengths."""
-    if not (_f32_vector(a) and _f32_vector(b)):
+    if not (_f32_vector(a) and _kv_vector(b)):
         return None
 
     def codegen(context, builder, signature, args):
         x, y = _arrays(context, builder, signature.args, args)
-        return _lane_reduce(builder, [x], [y])[0]
+        return _lane_reduce(builder, [x], [y], signature.args[1].dtype)[0]
 
     return types.float32(a, b), codegen
 
@@ -177,12 +286,13 @@ def _dot(typingctx, a, b):
 def _q4_dots(args):
     """Typing and codegen of the 4 x len(args[4:]) lane dots of four q rows
     against the k rows (shared by :func:`_dot4x4` and :func:`_dot4x1`)."""
-    if not all(_f32_vector(t) for t in args):
+    kinds = {t.dtype for t in args[4:] if isinstance(t, types.Array)}
+    if not (all(_f32_vector(t) for t in args[:4]) and all(_kv_vector(t) for t in args[4:]) and len(kinds) == 1):
         return None
 
     def codegen(context, builder, signature, vals):
         arrs = _arrays(context, builder, signature.args, vals)
-        out = _lane_reduce(builder, arrs[:4], arrs[4:])
+        out = _lane_reduce(builder, arrs[:4], arrs[4:], signature.args[4].dtype)
         return context.make_tuple(builder, signature.return_type, out)
 
     return types.UniTuple(types.float32, 4 * (len(args) - 4))(*args), codegen
@@ -421,7 +531,8 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
             w3 = e[3]
             a = acc_out[h]
             for d in range(hd):
-                a[d] = _fma(w3, v3[d], _fma(w2, v2[d], _fma(w1, v1[d], _fma(w0, v0[d], a[d]))))
+                a[d] = _fma(w3, _widen(v3[d]), _fma(w2, _widen(v2[d]), _fma(w1, _widen(v1[d]),
+                            _fma(w0, _widen(v0[d]), a[d]))))
         r += 4
     while r < nr:
         v0 = vb[r]
@@ -429,7 +540,7 @@ def _accumulate(E, nheads, col, vb, nr, acc_out):
             w0 = E[h, col + r]
             a = acc_out[h]
             for d in range(hd):
-                a[d] = _fma(w0, v0[d], a[d])
+                a[d] = _fma(w0, _widen(v0[d]), a[d])
         r += 1
 
 
@@ -911,6 +1022,19 @@ def _f3(a):
     return _EMPTY_F3 if a is None else np.ascontiguousarray(a, dtype=np.float32)
 
 
+def kv_block(a):
+    """An unquantized K/V block as the kernels take it, never a copy of a
+    C-contiguous one: float32 as is, float16 viewed as its int16 bits,
+    uint16 (bfloat16 bits) as is (see :data:`KV_KERNEL_DTYPES`)."""
+    if a is None:
+        return _EMPTY_F3
+    a = np.asarray(a)
+    kdt = KV_KERNEL_DTYPES.get(a.dtype)
+    if kdt is None:  # not a storage dtype (a caller's float64 array, say): float32
+        return np.ascontiguousarray(a, dtype=np.float32)
+    return np.ascontiguousarray(a).view(kdt)
+
+
 def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen):
     kquant = k is None
     vquant = v is None
@@ -918,13 +1042,17 @@ def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen)
         raise ValueError("attend: neither k nor kq given")
     if vquant and vq is None:
         raise ValueError("attend: neither v nor vq given")
+    kf, vf = kv_block(k), kv_block(v)
+    if not kquant and not vquant and kf.dtype != vf.dtype:
+        # one specialization per storage dtype; mixed blocks are no storage mode
+        kf, vf = np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, dtype=np.float32)
     return (
-        _f3(k),
+        kf,
         _EMPTY_I3 if kq is None else np.ascontiguousarray(kq, dtype=np.int8),
         _EMPTY_F3 if ks is None else np.ascontiguousarray(ks, dtype=np.float32),
         _EMPTY_F2 if kcol is None else np.ascontiguousarray(kcol, dtype=np.float32),
         _EMPTY_B1 if kcol_set is None else np.ascontiguousarray(kcol_set, dtype=np.bool_),
-        _f3(v),
+        vf,
         _EMPTY_I3 if vq is None else np.ascontiguousarray(vq, dtype=np.int8),
         _EMPTY_F2 if vs is None else np.ascontiguousarray(vs, dtype=np.float32),
         _EMPTY_F2 if vcol is None else np.ascontiguousarray(vcol, dtype=np.float32),
@@ -989,9 +1117,11 @@ def thread_budget(nbytes):
         numba.set_num_threads(old)
 
 
-def _rows_bytes(firsts, ns, hd, kquant, vquant):
+def _rows_bytes(firsts, ns, hd, k, v):
+    """Bytes of K/V rows a decode reads (``k``/``v``: the f32 or 2-byte
+    block, None when that side is int8)."""
     rows = int(np.where(ns > 0, ns - firsts, 0).sum())
-    return rows * hd * ((1 if kquant else 4) + (1 if vquant else 4))
+    return rows * hd * sum(1 if a is None else np.dtype(a.dtype).itemsize for a in (k, v))
 
 
 def _run(nbytes, *args):
@@ -1014,7 +1144,8 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
                  block=None, out=None):
     """Decode attention of a whole layer in one kernel call.
 
-    ``q [nh, hd]``; K as ``k`` (f32) or ``kq, ks, kcol, kcol_set`` (q8), V as
+    ``q [nh, hd]``; K as ``k`` (float32, float16 or bfloat16 bits as uint16:
+    read as stored, see :func:`kv_block`) or ``kq, ks, kcol, kcol_set`` (q8), V as
     ``v`` or ``vq, vs, vcol, vcol_set``; ``xk, xv, xlen`` the q8 exact rows
     (see kvreg.storage; None = none); ``window`` 0 = none, else per group
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
@@ -1034,7 +1165,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
         out = np.empty((nh, hd), np.float32)
     n = n.astype(np.int64)
     block = int(block or config.DECODE_BLOCK)
-    _run(_rows_bytes(firsts, n, hd, k is None, v is None), q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
+    _run(_rows_bytes(firsts, n, hd, k, v), q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
@@ -1057,7 +1188,7 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     firsts = np.array([f], np.int64)
     ns = np.array([n], np.int64)
     block = int(block or config.DECODE_BLOCK)
-    _run(_rows_bytes(firsts, ns, hd, k is None, v is None), q_group, nheads, np.array([g], np.int64), firsts, ns,
+    _run(_rows_bytes(firsts, ns, hd, k, v), q_group, nheads, np.array([g], np.int64), firsts, ns,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))

@@ -1,5 +1,5 @@
 """Run by test_numba_determinism.py in a subprocess: prints, as JSON, the
-SHA-256 of the bits of attend_layer (F32 and q8, with importance, window,
+SHA-256 of the bits of attend_layer (F32, q8, f16 and bf16, with importance, window,
 soft-cap and sinks) and attend_chunk outputs at kvreg thread budgets 1 and 2
 (capped by the process's NUMBA_NUM_THREADS).
 
@@ -52,6 +52,13 @@ def inputs():
     return k, v, q, lens, q8, qc, sinks, hpk
 
 
+def halves(k, v) -> dict:
+    """The f16 and bf16 storage blocks of ``k``/``v``."""
+    from kvreg.quant import to_bf16
+
+    return {"f16": (k.astype(np.float16), v.astype(np.float16)), "bf16": (to_bf16(k), to_bf16(v))}
+
+
 def run(which: str) -> dict:
     k, v, q, lens, q8, qc, sinks, hpk = inputs()
     n = k.shape[1]
@@ -68,6 +75,11 @@ def run(which: str) -> dict:
         o1 = K.attend_layer(q, lens, scale=0.088, imp=imp, **q8)
         o2 = K.attend_layer(q, lens, scale=0.088, window=2500, softcap=20.0, sinks=sinks, **q8)
         res[f"q8 threads={threads}"] = digest(o1, imp, o2)
+        for name, (kh, vh) in halves(k, v).items():  # the 2-byte blocks, read as stored
+            imp = np.zeros(n, np.float32)
+            o1 = K.attend_layer(q, lens, k=kh, v=vh, scale=0.088, imp=imp)
+            o2 = K.attend_layer(q, lens, k=kh, v=vh, scale=0.088, window=3000, softcap=30.0, sinks=sinks)
+            res[f"{name} threads={threads}"] = digest(o1, imp, o2)
         s0, b = 700, qc.shape[0]
         imp = np.zeros(s0 + b, np.float32)
         o1 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, imp=imp)

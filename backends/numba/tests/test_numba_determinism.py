@@ -5,7 +5,7 @@ differed by up to 2.4e-7, enough to flip a greedy token).
 
 Each process runs ``_determinism_probe.py`` against one fresh
 ``NUMBA_CACHE_DIR``: the first compiles the F32 decode only (cold), the
-second compiles the q8 and chunk kernels fresh against callees already
+second compiles the q8, f16/bf16 and chunk kernels fresh against callees already
 cached (partly warm), the third loads everything (warm).
 """
 
@@ -33,7 +33,7 @@ def test_bits_do_not_depend_on_threads_cache_state_or_call_history(tmp_path):
     warm = probe(tmp_path, "all", 2)
     assert any(tmp_path.rglob("*.nbi")), "the probe did not use the on-disk cache"
     runs = {"cold": cold, "partly warm": partly_warm, "warm": warm}
-    for kernel in ("f32", "q8", "chunk"):
+    for kernel in ("f32", "q8", "f16", "bf16", "chunk"):
         seen = {f"{name}, {key}": digest for name, run in runs.items() for key, digest in run.items()
                 if key.startswith(kernel + " ")}
         assert len(set(seen.values())) == 1, f"{kernel}: bits differ between runs: {seen}"
