@@ -19,6 +19,20 @@ from .mirror import DeviceMirror
 
 _VARIANT = {(False, False): "partial_kf_vf", (True, False): "partial_kq_vf",
             (False, True): "partial_kf_vq", (True, True): "partial_kq_vq"}
+#: The partial kernel of 2-byte K and V rows, by their storage dtype
+#: (attend.cl: f16 read with vload_half, bf16 bits as ushort).
+_HALF_VARIANT = {np.dtype(np.float16): "partial_kh_vh", np.dtype(np.uint16): "partial_kb_vb"}
+
+
+def partial_variant(quant: tuple[bool, bool], kv_dtype) -> str:
+    """The ``partial_*`` kernel of a mirror's layout: ``quant`` = (K is q8,
+    V is q8); ``kv_dtype`` the unquantized blocks' dtype (None: none)."""
+    if kv_dtype is None or np.dtype(kv_dtype) == np.float32:
+        return _VARIANT[quant]
+    name = _HALF_VARIANT.get(np.dtype(kv_dtype))
+    if name is None or any(quant):
+        raise ShapeError(f"kvreg-opencl: no attend kernel for {np.dtype(kv_dtype)} K/V rows with q8 sides {quant}")
+    return name
 
 
 class _Scratch:
@@ -70,15 +84,17 @@ def _local_size(kernel, dev: DeviceState) -> int:
 def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs: dict, kcol, vcol,
                    nl_buf, fi_buf, *, g0: int, ng: int, cap: int, hd: int, hpk: int, hc: int,
                    br: int, nblk: int, T: int, scale: float, softcap: float, pm, ps, pacc,
-                   scores, sstride: int, want_scores: bool, exact=None) -> None:
+                   scores, sstride: int, want_scores: bool, exact=None, kv_dtype=None) -> None:
     """One launch of ``partial_*`` (attend.cl) over row buffers ``bufs``
     (``k``/``kq``/``ks``/``v``/``vq``/``vs`` laid out ``[nkv, cap, ...]``):
     writes the block states ``pm``/``ps``/``pacc`` of every token and head.
+    ``kv_dtype``: the element type of ``k``/``v`` (float32 when None; float16
+    or uint16 = bfloat16 bits pick the 2-byte kernels).
     ``exact``: ``(xk, xv, xlen, xcap)`` device buffers of the q8 exact rows
     (``xk``/``xv`` may be None for an unquantized side), or None."""
     cl = dev.cl
     d = scratch(dev).dummy
-    kern = programs.kernel(prg, _VARIANT[quant])
+    kern = programs.kernel(prg, partial_variant(quant, kv_dtype))
     L = _local_size(kern, dev)
     lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
     local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
@@ -168,7 +184,7 @@ def _attend_rows(
                        nl_buf, fi_buf, g0=g0, ng=ng, cap=mirror.cap, hd=hd, hpk=hpk, hc=hc,
                        br=br, nblk=nblk, T=T, scale=scale, softcap=softcap, pm=pm, ps=ps,
                        pacc=pacc, scores=sc_buf, sstride=sstride, want_scores=want_scores,
-                       exact=mirror.exact_args())
+                       exact=mirror.exact_args(), kv_dtype=mirror.kv_dtype)
     has_sinks = sinks is not None
     sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(nq)) if has_sinks else d
     out_buf = sc.get("out", T * nq * hd * 4)

@@ -2,7 +2,9 @@
 
 A mirror copies the storage arrays of docs/kernels.md (``k``/``kq``/``ks``,
 ``v``/``vq``/``vs`` as ``[nkv, cap, ...]``, the fields ``kcol``/``vcol``) into
-device buffers of its own capacity and remembers what it holds:
+device buffers of its own capacity, byte for byte in their storage dtype (f16
+and bf16 ``k``/``v`` blocks stay 2 bytes an element on the device: the
+kernels widen them as they read), and remembers what it holds:
 
 * ``generation`` -- the seed's storage generation. Every mutation other than
   append and truncate_last (clear, trim, evict, gather, wire import) takes a
@@ -86,6 +88,16 @@ class DeviceMirror:
     @property
     def v_quant(self) -> bool:
         return "vq" in self.buffers
+
+    @property
+    def kv_dtype(self) -> np.dtype | None:
+        """dtype of the unquantized K/V buffers as mirrored (float32, float16,
+        or uint16 = bfloat16 bits: uploaded as stored, 2 bytes an element for
+        the half modes); None when both sides are q8."""
+        for name in ("k", "v"):
+            if name in self.row_shapes:
+                return self.row_shapes[name][1]
+        return None
 
     def _layout(self, storage):
         shapes = {}

@@ -17,7 +17,15 @@
  * float32 copies xk/xv (field space, so they stand in for the dequantized
  * row: scores with q ⊙ kcol, values summed before the final vcol) instead of
  * their int8 copies.  Whether a row is exact depends on its index only, so
- * the invariants above still hold. */
+ * the invariants above still hold.
+ *
+ * 2-byte rows (f16 / bf16 storage, the KH argument of partial_body): the
+ * mirror holds K and V as stored, 2 bytes an element, and the `k` / `v`
+ * buffers are read through kv_load8 / kv_load1: IEEE binary16 with
+ * vload_half (core OpenCL, no cl_khr_fp16), bfloat16 as ushort shifted into
+ * the top half of a float (as_float).  Both widenings are exact and the
+ * arithmetic after them is the f32 path's, so a half layer gives the bits the
+ * f32 kernel gives on the widened rows. */
 #include "common.h"
 
 /* Q heads per work-group, fixed at build time (config.HEADS_PER_WG):
@@ -28,11 +36,11 @@
 
 #define KV_ARGS                                                               \
     __global const float *q,        /* [T, nq, hd], nq = ng * hpk         */ \
-    __global const float *k,        /* [nkv, cap, hd]   (f32 K)           */ \
+    __global const float *k,        /* [nkv, cap, hd] f32 K (or 2-byte: KH) */ \
     __global const char *kq,        /* [nkv, cap, hd]   (q8 K)            */ \
     __global const float *ks,       /* [nkv, cap, ngk]                    */ \
     __global const float *kcol,     /* [nkv, hd] (ones when no field)     */ \
-    __global const float *v,        /* [nkv, cap, hd]   (f32 V)           */ \
+    __global const float *v,        /* [nkv, cap, hd] f32 V (or 2-byte: KH) */ \
     __global const char *vq,        /* [nkv, cap, hd]   (q8 V)            */ \
     __global const float *vs,       /* [nkv, cap]                         */ \
     __global const float *xk,       /* [nkv, xcap, hd] exact K rows (q8)  */ \
@@ -57,6 +65,56 @@
 #define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, nlim, firsts, g0, ng, cap, hd,  \
     hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
     want_scores, qloc, sloc, mloc, vloc
+
+/* Element layout of the unquantized K/V buffers (KH): f32, binary16, bfloat16. */
+#define KVREG_F32 0
+#define KVREG_F16 1
+#define KVREG_BF16 2
+
+/* Channels [8*d8, 8*d8 + 8) of the row starting at element `off` (a multiple of
+ * 8) of an unquantized K/V buffer, as float8. */
+inline float8 kv_load8(__global const float *base, const size_t off, const int d8, const int KH)
+{
+    if (KH == KVREG_F16) return vload_half8((off >> 3) + d8, (__global const half *)base);
+    if (KH == KVREG_BF16)
+        return as_float8(convert_uint8(vload8((off >> 3) + d8, (__global const ushort *)base)) << 16);
+    return vload8(d8, base + off);
+}
+
+/* Channels [4*d4, 4*d4 + 4) (off a multiple of 4). */
+inline float4 kv_load4(__global const float *base, const size_t off, const int d4, const int KH)
+{
+    if (KH == KVREG_F16) return vload_half4((off >> 2) + d4, (__global const half *)base);
+    if (KH == KVREG_BF16)
+        return as_float4(convert_uint4(vload4((off >> 2) + d4, (__global const ushort *)base)) << 16);
+    return vload4(d4, base + off);
+}
+
+/* Element `i` of an unquantized K/V buffer. */
+inline float kv_load1(__global const float *base, const size_t i, const int KH)
+{
+    if (KH == KVREG_F16) return vload_half(i, (__global const half *)base);
+    if (KH == KVREG_BF16) return as_float((uint)((__global const ushort *)base)[i] << 16);
+    return base[i];
+}
+
+/* score_f32 over a row of an unquantized buffer in any KH layout: the same
+ * operations on the widened elements. */
+inline float score_kv(__local const float *qh, __global const float *base, const size_t off,
+                      const int hd, const int KH)
+{
+    float dot;
+    if ((hd & 3) == 0) {
+        float4 a = (float4)(0.0f);
+        for (int d4 = 0; d4 < (hd >> 2); ++d4)
+            a += vload4(d4, qh) * kv_load4(base, off, d4, KH);
+        dot = kvreg_hsum4(a);
+    } else {
+        dot = 0.0f;
+        for (int d = 0; d < hd; ++d) dot += qh[d] * kv_load1(base, off + d, KH);
+    }
+    return dot;
+}
 
 inline float score_f32(__local const float *qh, __global const float *kr, const int hd)
 {
@@ -98,7 +156,7 @@ inline float score_q8(__local const float *qh, __global const char *kr,
     return dot;
 }
 
-inline void partial_body(KV_ARGS, const int KQ, const int VQ)
+inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
 {
     const int b = get_group_id(0);
     const int L = get_local_size(0);
@@ -135,7 +193,7 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
         const size_t p = (size_t)g * cap + row0 + r;
         float sc[KVREG_HC];
         const int kx = KQ && r < xr;      /* an exact K row: f32 path */
-        __global const float *kr32 = kx ? xk + (xrow0 + r) * hd : k + p * hd;
+        __global const float *kr32 = kx ? xk + (xrow0 + r) * hd : (KH == KVREG_F32 ? k + p * hd : k);
         if (KQ && !kx && (hd % KVREG_K_GROUP) == 0) {
             /* each 32-channel group converted once for every head; per head
              * the same operations as score_q8 */
@@ -164,15 +222,21 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
         } else if ((hd & 7) == 0) {
-            __global const float *kr = kr32;
+            /* f32 / 2-byte K row, or a q8 side's exact float32 row */
+            __global const float *kb = kx ? kr32 : k;
+            const size_t koff = kx ? 0 : p * hd;
+            const int kh = kx ? KVREG_F32 : KH;
             float8 a[KVREG_HC];
             for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
             for (int d8 = 0; d8 < (hd >> 3); ++d8) {
-                const float8 kk = vload8(d8, kr);
+                const float8 kk = kv_load8(kb, koff, d8, kh);
                 for (int h = 0; h < KVREG_HC; ++h)
                     if (h < hcnt) a[h] += vload8(d8, qloc + h * hd) * kk;
             }
             for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
+        } else if (KH != KVREG_F32) {
+            for (int h = 0; h < KVREG_HC; ++h)
+                if (h < hcnt) sc[h] = score_kv(qloc + h * hd, k, p * hd, hd, KH);
         } else {
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_f32(qloc + h * hd, kr32, hd);
@@ -228,14 +292,16 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
             /* an exact V row is a float row with scale 1 */
             const int vx = VQ && r < xr;
             const int v8 = VQ && !vx;
-            __global const float *vr32 = vx ? xv + (xrow0 + r) * hd : v + p * hd;
+            __global const float *vr32 = vx ? xv + (xrow0 + r) * hd : (KH == KVREG_F32 ? v + p * hd : v);
             float8 vv;
             float ws = 1.0f;
             if (vec == 8) {
-                if (v8) vv = convert_float8(vload8(dv, vq + p * hd));
-                else    vv = vload8(dv, vr32);
+                if (v8)                   vv = convert_float8(vload8(dv, vq + p * hd));
+                else if (KH != KVREG_F32) vv = kv_load8(v, p * hd, dv, KH);
+                else                      vv = vload8(dv, vr32);
             } else {
-                vv = (float8)(v8 ? (float)vq[p * hd + dv] : vr32[dv]);
+                vv = (float8)(v8 ? (float)vq[p * hd + dv]
+                                 : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv]));
             }
             if (v8) ws = vs[p];
             for (int h = 0; h < KVREG_HC; ++h)
@@ -264,10 +330,13 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ)
     }
 }
 
-__kernel void partial_kf_vf(KV_ARGS) { partial_body(KV_PASS, 0, 0); }
-__kernel void partial_kq_vf(KV_ARGS) { partial_body(KV_PASS, 1, 0); }
-__kernel void partial_kf_vq(KV_ARGS) { partial_body(KV_PASS, 0, 1); }
-__kernel void partial_kq_vq(KV_ARGS) { partial_body(KV_PASS, 1, 1); }
+__kernel void partial_kf_vf(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_F32); }
+__kernel void partial_kq_vf(KV_ARGS) { partial_body(KV_PASS, 1, 0, KVREG_F32); }
+__kernel void partial_kf_vq(KV_ARGS) { partial_body(KV_PASS, 0, 1, KVREG_F32); }
+__kernel void partial_kq_vq(KV_ARGS) { partial_body(KV_PASS, 1, 1, KVREG_F32); }
+/* f16 / bf16 storage: K and V both 2-byte rows (the `k` / `v` buffers) */
+__kernel void partial_kh_vh(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_F16); }
+__kernel void partial_kb_vb(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_BF16); }
 
 /* Merge the partial states of every block, in block order (fixed, so the
  * answer is deterministic).  One work-item per (channel, Q head, token). */

@@ -1,6 +1,7 @@
 /* Shared definitions of the kvreg OpenCL kernels (reached with -I <cl dir>).
  *
- * Everything is float32 and needs no extension (no fp16, no fp64), so the
+ * Everything is float32 and needs no extension (no cl_khr_fp16, no fp64: f16
+ * rows are read with core OpenCL's vload_half), so the
  * same sources build on any OpenCL 1.2 device, PoCL's CPU device included;
  * the one exception, nystrom.cl, is float64 and built only on a device that
  * reports fp64. */
