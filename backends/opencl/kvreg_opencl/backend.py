@@ -1,7 +1,9 @@
 """``OpenCLBackend``: the kvreg kernel surface on an OpenCL device.
 
-Native: ``attend_group``, ``attend_layer``, ``attend_chunk`` (every KV mode:
-F32, Q8, Q8K, Q8V), ``bounded_attend``, ``quantize_rows`` (exact class; only
+Native: ``attend_group``, ``attend_layer`` (every KV mode: F32, F16, BF16,
+Q8, Q8K, Q8V; the 2-byte rows stay 2 bytes on the device), ``attend_chunk``
+(F32 and the q8 modes; the core hands f16/bf16 chunks over as a widened
+F32 view), ``bounded_attend``, ``quantize_rows`` (exact class; only
 on a device with correctly rounded fp32 division, else the reference's) and
 ``nystrom_step`` (float64; only on a device with fp64, else the reference's).
 Inherited from the NumPy reference: ``gather_rows`` (a host-side storage
