@@ -102,8 +102,9 @@ def _target_has_f16c() -> bool:
 
 #: binary16 rows widen with LLVM's ``fpext half -> float`` (one vcvtph2ps per
 #: 8 or 16 elements) where the target has F16C; elsewhere with the integer
-#: decode of :func:`_ir_widen` (exact too, measured 2.3x slower at 16k rows:
-#: a libcall per element would be worse still). Read once, at import; numba's
+#: decode of :func:`_ir_widen` (exact too; at 16k rows, 32/8 heads, hd 128,
+#: one thread: 16.5 ms against 8.9 ms for fpext in one run, F32 13 ms; a
+#: libcall per element would be worse still). Read once, at import; numba's
 #: on-disk cache is keyed on the CPU features, so a cached kernel never runs
 #: on a CPU without them.
 F16_FPEXT = config.F16_FPEXT not in ("0", "off", "false", "no") and _target_has_f16c()
