@@ -52,9 +52,70 @@ def _cmd_info(args) -> int:
         print(f"    native kernels: {', '.join(native) if native else 'none (inherits the reference)'}")
     for name, err in registry.load_errors().items():
         print(f"  {name}: FAILED TO LOAD: {err}")
+    _print_kv_modes(failure)
     # The report is the product; a non-zero status tells a script that the
     # environment as set cannot run kvreg.
     return 0 if ok else 1
+
+
+#: One line per KV mode for ``kvreg info``; a mode missing here gets a generic line.
+_KV_MODE_DESCRIPTIONS = {
+    "f32": "float32 K and V (exact)",
+    "f16": "IEEE binary16 K and V, round to nearest even",
+    "bf16": "bfloat16 K and V, round to nearest even",
+    "q8": "int8 K (scale per 32 channels) and V (scale per row), no field",
+    "q8k": "int8 K, float32 V",
+    "q8v": "float32 K, int8 V",
+    "q8_2f": "the seed's q8: int8 K and V over a per-channel field frozen at 64 rows",
+    "q8k_2f": "the seed's q8 on K only (2f field), float32 V",
+    "q8v_2f": "the seed's q8 on V only (2f field), float32 K",
+}
+
+#: (label, num_kv_heads, head_dim) of the geometries ``kvreg info`` sizes each mode at.
+_KV_INFO_GEOMETRIES = (("SmolLM2-135M", 3, 64), ("Gemma-3-270M", 1, 256))
+_KV_INFO_ROWS = 2048
+
+
+def _kv_bytes_per_element(mode, nkv: int, hd: int, rows: int = _KV_INFO_ROWS) -> float:
+    """Stored bytes per K/V element of a reference layer holding ``rows`` random rows."""
+    import numpy as np
+
+    import kvreg
+
+    layer = kvreg.LayerKvCache(nkv, hd, mode, "reference")
+    rng = np.random.default_rng(0)
+    layer.extend(rng.standard_normal((rows, nkv, hd), dtype=np.float32),
+                 rng.standard_normal((rows, nkv, hd), dtype=np.float32))
+    return layer.memory_bytes() / (2 * nkv * hd * rows)
+
+
+def _print_kv_modes(failure) -> None:
+    """The ``KV modes`` section of ``kvreg info``: every :class:`KvMode`, its
+    bytes/element (computed here) and its measured KL (:mod:`kvreg.measured`)."""
+    import kvreg
+    from kvreg import measured
+
+    def fig(kl_top1) -> str:
+        if kl_top1 is None:
+            return "—"
+        kl, top1 = kl_top1
+        return f"{kl:.2e} ({'—' if top1 is None else f'{100 * top1:.1f}%'})"
+
+    geo = " / ".join(f"{label} {nkv}x{hd}" for label, nkv, hd in _KV_INFO_GEOMETRIES)
+    models = " / ".join(measured.MODELS)
+    print(f"KV modes (bytes/element at {_KV_INFO_ROWS} rows, {geo}; mean KL (top-1), {models}):")
+    width = max(len(m.value) for m in kvreg.KvMode)
+    for mode in kvreg.KvMode:
+        desc = _KV_MODE_DESCRIPTIONS.get(mode.value, f"{mode.value} storage (see kvreg.modes.KvMode)")
+        try:
+            size = " / ".join(f"{_kv_bytes_per_element(mode, nkv, hd):.3f}" for _, nkv, hd in _KV_INFO_GEOMETRIES)
+            size += " bytes/element"
+        except Exception as exc:  # noqa: BLE001  (one mode failing leaves the others listed)
+            size = failure(exc)
+        row = measured.KL.get(mode.value, {})
+        kl = " / ".join(fig(row.get(m)) for m in measured.MODELS)
+        print(f"  {mode.value:<{width}}  {size}  KL {kl}  {desc}")
+    print(f"  measured with: {measured.COMMAND} ({measured.DATE})")
 
 
 def _cmd_wire_inspect(args) -> int:

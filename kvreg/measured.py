@@ -1,0 +1,32 @@
+"""Measured accuracy of each KV storage mode on real models: the one place
+these figures live (``kvreg info`` prints them; the README quotes them).
+
+These are measurements of ``kvreg eval`` on CPython's ``textwrap.py``
+(1024 tokens, prefix 256): the mean KL divergence of the next-token
+distribution from the float32 ``DynamicCache`` run, and the top-1 agreement
+with it, per mode and model. ``None`` is a figure not measured.
+
+To regenerate, run :data:`COMMAND` (once per model, one model per process,
+single-threaded) with the modes to measure in ``--configs``, and copy each mode's ``kl`` and ``top1`` from the JSON into
+:data:`KL`; update :data:`DATE`.
+"""
+
+from __future__ import annotations
+
+#: The measuring command, run once per model, each in its own process, with
+#: ``OMP_NUM_THREADS=1 KVREG_THREADS=1 OPENBLAS_NUM_THREADS=1``. ``<stdlib>``
+#: is ``sysconfig.get_paths()["stdlib"]`` (textwrap.py is ``default_texts()[0]``).
+COMMAND = ("kvreg eval --model smollm2-135m --text <stdlib>/textwrap.py --tokens 1024 --prefix 256 "
+           "--configs f16,bf16,q8 --json ev.json; the same with --model gemma3-270m")
+
+#: When the newest figures here were measured.
+DATE = "2026-12-01"
+
+MODELS = ("smollm2-135m", "gemma3-270m")
+
+#: ``{mode value: {model: (mean KL, top-1 agreement as a fraction or None)}}``.
+KL: dict[str, dict[str, tuple[float, float | None]]] = {
+    "q8": {"smollm2-135m": (4.35e-4, 0.988), "gemma3-270m": (9.19e-4, 0.982)},
+    "q8v": {"smollm2-135m": (4.24e-5, None), "gemma3-270m": (1.07e-4, None)},
+    "q8_2f": {"smollm2-135m": (1.25e-3, None), "gemma3-270m": (2.43e-2, None)},
+}
