@@ -7,6 +7,10 @@ import numpy as np
 from kvreg import KvMode, LayerKvCache
 
 ALL_MODES = tuple(KvMode)
+#: Modes whose rows keep one form for life. A tiered mode (q4) moves a row
+#: to a coarser form as newer rows arrive, so reading the first ``i`` rows
+#: later (``upto=i``) reads them as they are now, not as they were at ``i``.
+AGELESS_MODES = tuple(m for m in KvMode if not m.tiered)
 
 
 def f32(xs) -> np.ndarray:

@@ -34,9 +34,8 @@ def storage_schema(num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: i
     blocks = [BlockSpec(n, RowClass.ROWS, getattr(st, n).dtype, getattr(st, n).shape[2:]) for n in st.block_names()]
     exact = [n for n in _EXACT_BLOCKS if getattr(st, n, None) is not None]
     blocks += [BlockSpec(n, RowClass.EXACT, getattr(st, n).dtype, getattr(st, n).shape[2:]) for n in exact]
-    if getattr(mode, "field", False):
-        blocks += [BlockSpec(n, RowClass.HEAD, getattr(st, n).dtype, getattr(st, n).shape[1:])
-                   for n in _FIELD_BLOCKS]
+    head = (_FIELD_BLOCKS if getattr(mode, "field", False) else ()) + st.head_block_names()
+    blocks += [BlockSpec(n, RowClass.HEAD, getattr(st, n).dtype, getattr(st, n).shape[1:]) for n in head]
     return StorageSchema(mode.value, int(st.exact_cap) if exact else 0, tuple(blocks))
 
 
@@ -273,6 +272,10 @@ class WireMixin:
                             f"{self.mode.value}")
         if rec.kind in (WireKind.Full, WireKind.FullTail) and rec.storage is None and self.mode is not KvMode.F32:
             self._converted(rec)
+        if rec.storage is not None and self.mode.tiered:
+            bad = self._storage_from(rec).tiers_consistent()
+            if bad:
+                raise WireError(f"kv import: the {self.mode.value} record's {bad}")
         if rec.kind == WireKind.Bounded:
             b = rec.bounded
             for name, ring in (("K", b.ring_k), ("V", b.ring_v)):

@@ -17,7 +17,7 @@ import numpy as np
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
-from .quant import HALF_OVERFLOW, from_half, to_half
+from .quant import HALF_OVERFLOW, from_half, fwht, to_half
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
@@ -292,9 +292,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 if q and not (np.abs(x[:, heads]) <= Q8_ABS_MAX).all():
                     what = "inf/NaN values" if not np.isfinite(x[:, heads]).all() else \
                         f"values beyond ±{Q8_ABS_MAX:.0e}"
-                    raise ShapeError(f"{name} has {what}: a q8 layer stores finite rows with |x| <= "
+                    raise ShapeError(f"{name} has {what}: a {mode.value} layer stores finite rows with |x| <= "
                                      f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
                                      f"{KV_COL_WARMUP} rows, would overflow to inf)")
+        if mode.tiered:
+            self._store_tiered(k, v, heads)
+            return
         elif mode.half:
             lim = HALF_OVERFLOW[mode.value]
             for name, x in (("k", k), ("v", v)):
@@ -352,6 +355,25 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         st.append(rows, heads, n, exact)
         self._seq_len += n
 
+    def _store_tiered(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
+        """q4: rotate the rows of the alive ``heads``, check them, tier them in."""
+        st, n = self._st, k.shape[0]
+        every = heads.size == self.num_kv_heads
+        rot = fwht if st.rotated else (lambda x: np.array(x, dtype=np.float32))
+        rk = rot((k if every else k[:, heads]).transpose(1, 0, 2))
+        rv = rot((v if every else v[:, heads]).transpose(1, 0, 2))
+        for name, r in (("k", rk), ("v", rv)):
+            # The newest rows are float16 (the scales too): a rotated value
+            # past its range would be stored as inf.
+            if not (np.abs(r) < HALF_OVERFLOW["f16"]).all():
+                raise ShapeError(f"{name} has values whose Walsh-Hadamard rotation exceeds float16's range "
+                                 f"(|x| >= {float(HALF_OVERFLOW['f16']):.6g}), which q4 stores in float16: "
+                                 "use f32 or bf16 storage")
+        t = st.exact_rows_wanted(heads, n)
+        st.append_tiered(rk, rv, heads, n)
+        st.append({}, heads, n, {"xk": rk[:, :t], "xv": rv[:, :t]} if t else None)
+        self._seq_len += n
+
     def _freeze_field(self) -> None:
         """Freeze the 2f field: col = RMS per channel over the stored
         (dequantized) rows; every stored row is requantized against it, and
@@ -392,9 +414,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         qv = V.rows("q", q, 1, self.head_dim)
         n = int(self._st.lens[kv_head])
         probs = np.zeros(n, dtype=np.float32)
-        out = self.backend.attend_group(qv, self._st, kv_head, scale=self.default_scale,
-                                        first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
+        out = self._rotated_attend(self.backend.attend_group, qv, self._st, kv_head, scale=self.default_scale,
+                                   first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
         return out[0], probs
+
+    def _rotated_attend(self, kernel, q, st, *args, **kwargs) -> np.ndarray:
+        """``kernel(q, st, ...)``, in the rotated basis when the rows are
+        (q4): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and ``H Σ p Hv = Σ p v`` (H is its own inverse)."""
+        if not st.rotated:
+            return kernel(q, st, *args, **kwargs)
+        return fwht(kernel(fwht(q), st, *args, **kwargs))
 
     def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
                      sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
@@ -418,8 +447,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             raise ShapeError(f"first={first} must be < the {n} visible rows of kv_head {kv_head}")
         sinks = V.sinks(sinks, q.shape[0])
         imp = V.imp_acc(imp_acc)
-        return self.backend.attend_group(q, self._st, kv_head, scale=V.scale(scale), first=first, upto=upto,
-                                         softcap=V.softcap(softcap), sinks=sinks, imp=imp)
+        return self._rotated_attend(self.backend.attend_group, q, self._st, kv_head, scale=V.scale(scale),
+                                    first=first, upto=upto, softcap=V.softcap(softcap), sinks=sinks, imp=imp)
 
     def attend_group_upto(self, q_group, kv_head: int, *, upto: int, **kwargs) -> np.ndarray:
         """``attend_group`` over the first ``upto`` rows only: bit-identical to the
@@ -447,7 +476,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if V.flag("importance", importance) else None
-        return self.backend.attend_layer(q, self._st, scale=scale, window=window, softcap=V.softcap(softcap),
+        return self._rotated_attend(self.backend.attend_layer, q, self._st, scale=scale, window=window,
+                                    softcap=V.softcap(softcap),
                                          sinks=sinks, imp=imp)
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
@@ -474,10 +504,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             # A window past every row reads them all: clamped (as attend_layer).
             window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
-        if self.mode is KvMode.F32 or (self.mode.quantized and getattr(self.backend, "native_q8_chunk", False)):
+        native_q8 = self.mode.quantized and not self.mode.tiered and getattr(self.backend, "native_q8_chunk", False)
+        if self.mode is KvMode.F32 or native_q8:
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
-        # q8, f16, bf16: widen only the key range the chunk reads, once per call; the
+        # q8, q4, f16, bf16: widen only the key range the chunk reads, once per call; the
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
         view = self._dequantized_view(lo, n)
@@ -489,9 +520,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         src = self._st
         view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
         view.reserve(n - lo)
+        back = fwht if src.rotated else (lambda x: x)
         for h in range(self.num_kv_heads):
-            view.k[h, : n - lo] = src.attended_rows("k", h, lo, n)
-            view.v[h, : n - lo] = src.attended_rows("v", h, lo, n)
+            view.k[h, : n - lo] = back(src.attended_rows("k", h, lo, n))
+            view.v[h, : n - lo] = back(src.attended_rows("v", h, lo, n))
         view.lens[:] = n - lo
         return view
 

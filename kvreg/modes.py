@@ -20,6 +20,19 @@ KV_K_GROUP = 32
 #: ``q8_exact_rows=0`` on a layer gives the seed's storage bit for bit.
 Q8_EXACT_ROWS = 1
 
+#: q4's tiers (measured with tools/kv_quant_study.py, see docs/formats.md):
+#: each head's newest ``Q4_WINDOW`` rows are float16; the next
+#: ``Q4_INT8_ROWS`` older ones int8 (float16 scale per 32 channels); older
+#: rows int4 (K: float16 scale per 32 channels, V: per 64). Rows are
+#: Walsh-Hadamard rotated first, and the first ``Q4_SINK_ROWS`` rows of each
+#: head are also kept in float32 (the attention sinks).
+Q4_WINDOW = 16
+Q4_INT8_ROWS = 112
+Q4_SINK_ROWS = 4
+Q4_K_GROUP = 32
+Q4_V_GROUP = 64
+Q4_INT8_GROUP = 32
+
 _ENV_VALUES = {
     "f32": "F32",
     "f16": "F16",
@@ -30,6 +43,7 @@ _ENV_VALUES = {
     "q8_2f": "Q8_2F",
     "q8k_2f": "Q8K_2F",
     "q8v_2f": "Q8V_2F",
+    "q4": "Q4",
 }
 
 
@@ -43,7 +57,10 @@ class KvMode(enum.Enum):
     rows also in float32 (``q8_exact_rows``): ``Q8`` quantizes K and V,
     ``Q8K`` only K, ``Q8V`` only V. The ``_2F`` modes are the seed's storage
     (``Q8 { k, v }``), bit for bit: rows are first divided by a per-channel
-    field that freezes at :data:`KV_COL_WARMUP` rows.
+    field that freezes at :data:`KV_COL_WARMUP` rows. ``Q4`` keeps about
+    0.59 bytes per element at 2k rows: each row is Walsh-Hadamard rotated and
+    ages through float16 (the newest 16), int8 (the next 112) and int4 (every
+    older row), with each head's first 4 rows also in float32.
 
     Why q8 has no field: on real models the field, frozen over the first 64
     rows, misfits later keys (5-7% of key channels grow past 2x their early
@@ -61,14 +78,22 @@ class KvMode(enum.Enum):
     Q8_2F = "q8_2f"
     Q8K_2F = "q8k_2f"
     Q8V_2F = "q8v_2f"
+    Q4 = "q4"
 
     @property
     def quant_k(self) -> bool:
-        return self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8_2F, KvMode.Q8K_2F)
+        return self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q4)
 
     @property
     def quant_v(self) -> bool:
-        return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q8_2F, KvMode.Q8V_2F)
+        return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q8_2F, KvMode.Q8V_2F, KvMode.Q4)
+
+    @property
+    def tiered(self) -> bool:
+        """Whether rows change format as they age (``Q4``): float16, then int8,
+        then int4, each row rotated. Its kernels are the reference's on every
+        backend (a row's form depends on its tier; see :mod:`kvreg.storage`)."""
+        return self is KvMode.Q4
 
     @property
     def field(self) -> bool:
@@ -77,7 +102,7 @@ class KvMode(enum.Enum):
 
     @property
     def quantized(self) -> bool:
-        """Whether K or V is stored as int8 rows with scales."""
+        """Whether K or V is stored as integer codes with scales (q8 modes, q4)."""
         return self.quant_k or self.quant_v
 
     @property
@@ -104,7 +129,7 @@ class KvMode(enum.Enum):
 
     @classmethod
     def from_env(cls) -> "KvMode":
-        """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q8``, ``q8k``, ``q8v``; the seed's
+        """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q4``; ``q8``, ``q8k``, ``q8v``; the seed's
         ``q8_2f``, ``q8k_2f``, ``q8v_2f``.
 
         Unlike the seed (which silently fell back to F32), an unknown value is

@@ -124,3 +124,80 @@ def from_half(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.uint16:
         return from_bf16(a)
     return a.astype(np.float32, copy=False)
+
+
+# ── q4: rotated rows, int4/int8 codes with float16 scales ──
+#
+# Exact class as the rest of this module: float32 arithmetic, round half
+# away from zero, scales rounded to float16 first and the codes computed with
+# the stored scale (so dequantizing reproduces what the quantizer aimed at).
+
+#: The smallest scale a q4/int8-tier group stores (float16's least subnormal):
+#: an all-zero group gets it instead of a 0 that would divide by zero.
+HALF_SCALE_FLOOR = np.float32(np.float16(6e-8))
+
+
+def rotates(hd: int) -> bool:
+    """Whether rows of ``hd`` channels are rotated (a power of two >= 2)."""
+    return hd >= 2 and hd & (hd - 1) == 0
+
+
+def fwht(x: np.ndarray) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard transform over the last axis (a power
+    of two): Sylvester's ``H / sqrt(hd)``, which is symmetric and its own
+    inverse. Butterflies in a fixed order, elementwise float32 (no BLAS), so
+    the bits do not depend on threads or call history. Returns a new array."""
+    x = np.array(x, dtype=np.float32, copy=True)
+    hd = x.shape[-1]
+    lead = x.shape[:-1]
+    h = 1
+    while h < hd:
+        y = x.reshape(*lead, hd // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        s, d = a + b, a - b
+        y[..., 0, :] = s
+        y[..., 1, :] = d
+        h *= 2
+    x *= np.float32(1.0 / np.sqrt(hd))
+    return x
+
+
+def quantize_half_scaled(x: np.ndarray, group: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``x [n, hd]`` as symmetric integer codes in ``[-qmax, qmax]`` with one
+    float16 scale per ``group`` channels: ``(codes int8 [n, hd], scales
+    float16 [n, ceil(hd/group)])``. The scale is ``absmax/qmax`` rounded to
+    float16 (floor :data:`HALF_SCALE_FLOOR`); codes divide by that stored scale."""
+    x = np.asarray(x, dtype=np.float32)
+    n, hd = x.shape
+    ng = num_groups(hd, group)
+    pad = ng * group - hd
+    xg = (np.pad(x, ((0, 0), (0, pad))) if pad else x).reshape(n, ng, group)
+    s16 = (np.abs(xg).max(axis=2) / np.float32(qmax)).astype(np.float16)
+    s = np.maximum(s16.astype(np.float32), HALF_SCALE_FLOOR)
+    codes = np.clip(round_half_away(xg / s[:, :, None]), -qmax, qmax).astype(np.int8)
+    return np.ascontiguousarray(codes.reshape(n, ng * group)[:, :hd]), s.astype(np.float16)
+
+
+def dequantize_half_scaled(codes: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
+    """``codes * scale`` per group, float32 ``[n, hd]``."""
+    hd = codes.shape[1]
+    return codes.astype(np.float32) * s.astype(np.float32)[:, np.arange(hd) // group]
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    """int8 codes in ``[-8, 7]`` ``[n, hd]`` -> uint8 ``[n, ceil(hd/2)]``: channel
+    ``2j`` in the low nibble, ``2j+1`` in the high one (two's complement)."""
+    n, hd = codes.shape
+    c = codes.astype(np.uint8) & np.uint8(0x0F)
+    if hd % 2:
+        c = np.concatenate([c, np.zeros((n, 1), np.uint8)], axis=1)
+    return np.ascontiguousarray(c[:, 0::2] | (c[:, 1::2] << np.uint8(4)))
+
+
+def unpack_int4(packed: np.ndarray, hd: int) -> np.ndarray:
+    """The inverse of :func:`pack_int4`: int8 codes ``[n, hd]``."""
+    lo = (packed & np.uint8(0x0F)).astype(np.int8)
+    hi = (packed >> np.uint8(4)).astype(np.int8)
+    c = np.empty((packed.shape[0], 2 * packed.shape[1]), np.int8)
+    c[:, 0::2], c[:, 1::2] = lo, hi
+    return ((c[:, :hd] ^ np.int8(8)) - np.int8(8)).astype(np.int8)

@@ -28,6 +28,11 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
     nh = q.shape[0]
     span = n - first
     out = np.empty((nh, span), dtype=np.float32)
+    if st.mode.tiered:
+        rows = st.attended_rows("k", g, first, n)
+        for h in range(nh):
+            out[h] = rows @ q[h]
+        return out
     if st.k is not None:
         rows = quant.from_half(st.k[g, first:n])
         for h in range(nh):
@@ -81,8 +86,8 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
     nh = p.shape[0]
     hd = st.head_dim
     out = np.empty((nh, hd), dtype=np.float32)
-    if st.v is not None:
-        rows = quant.from_half(st.v[g, first:n])
+    if st.v is not None or st.mode.tiered:
+        rows = st.attended_rows("v", g, first, n) if st.mode.tiered else quant.from_half(st.v[g, first:n])
         for h in range(nh):
             w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
             out[h] = w @ rows

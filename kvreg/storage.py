@@ -37,8 +37,10 @@ from collections import deque
 
 import numpy as np
 
-from .modes import KV_K_GROUP, KvMode
-from .quant import dequantize_rows, from_half, num_groups
+from .modes import (KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW,
+                    KvMode)
+from .quant import (dequantize_half_scaled, dequantize_rows, from_half, num_groups, pack_int4,
+                    quantize_half_scaled, rotates, unpack_int4)
 
 _GEN = itertools.count(1)
 
@@ -64,11 +66,12 @@ class LayerStorage:
         self.seq_len = 0
         self._imp = np.zeros(0, dtype=np.float32)
         self.k = self.v = self.kq = self.ks = self.vq = self.vs = None
+        self.k4 = self.k4s = self.v4 = self.v4s = None
         self.kcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
         self.vcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
         self.kcol_set = np.zeros(num_kv_heads, dtype=bool)
         self.vcol_set = np.zeros(num_kv_heads, dtype=bool)
-        self.exact_cap = int(exact_rows) if mode.quantized else 0
+        self.exact_cap = (Q4_SINK_ROWS if mode.tiered else int(exact_rows)) if mode.quantized else 0
         xshape = (num_kv_heads, self.exact_cap, head_dim)
         self.xk = np.zeros(xshape, np.float32) if self.exact_cap and mode.quant_k else None
         self.xv = np.zeros(xshape, np.float32) if self.exact_cap and mode.quant_v else None
@@ -76,6 +79,10 @@ class LayerStorage:
         self.generation = next_generation()
         self.edits = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
+        #: q4: rows (and queries) live in the Walsh-Hadamard rotated basis.
+        self.rotated = mode.tiered and rotates(head_dim)
+        if mode.tiered:
+            self._init_tiers()
 
     # ── views ──
 
@@ -85,6 +92,9 @@ class LayerStorage:
         return self._imp[: self.seq_len]
 
     def block_names(self) -> tuple[str, ...]:
+        """The per-row blocks (``[nkv, cap, ...]``) this mode stores."""
+        if self.mode.tiered:
+            return ("k4", "k4s", "v4", "v4s")
         names = ("kq", "ks") if self.mode.quant_k else ("k",)
         return names + (("vq", "vs") if self.mode.quant_v else ("v",))
 
@@ -108,6 +118,8 @@ class LayerStorage:
         ``[n-lo, hd]``: f32 storage as stored (a view), f16/bf16 widened; q8 ``q·s·col`` with the exact
         rows ``x·col`` (``side`` is ``"k"`` or ``"v"``)."""
         quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
+        if self.mode.tiered:
+            return self._tiered_rows(side, h, lo, n)
         if not quantized:
             return from_half(getattr(self, side)[h, lo:n])
         if side == "k":
@@ -137,9 +149,16 @@ class LayerStorage:
             "ks": ((nkv, cap, self.ngk), np.float32),
             "vq": ((nkv, cap, hd), np.int8),
             "vs": ((nkv, cap), np.float32),
+            "k4": ((nkv, cap, -(-hd // 2)), np.uint8),
+            "k4s": ((nkv, cap, num_groups(hd, Q4_K_GROUP)), np.float16),
+            "v4": ((nkv, cap, -(-hd // 2)), np.uint8),
+            "v4s": ((nkv, cap, num_groups(hd, Q4_V_GROUP)), np.float16),
         }
-        # np.empty: pages a dead head never writes are never faulted in.
-        return {n: np.empty(*shapes[n]) for n in self.block_names()}
+        # np.empty: pages a dead head never writes are never faulted in. q4's
+        # int4 blocks are zeros: their rows in the upper tiers are not written
+        # yet, and a wire export ships every stored position's slot.
+        make = np.zeros if self.mode.tiered else np.empty
+        return {n: make(*shapes[n]) for n in self.block_names()}
 
     def reserve(self, rows: int) -> None:
         """Capacity for ``rows`` rows per head, taken once (doubling)."""
@@ -161,12 +180,15 @@ class LayerStorage:
     def reserved_bytes(self) -> int:
         """Bytes of capacity held (stored rows plus room to grow)."""
         blocks = sum(getattr(self, n).nbytes for n in self.block_names() if getattr(self, n) is not None)
-        return blocks + self._imp.nbytes
+        tiers = sum(getattr(self, n).nbytes for n in self.head_block_names())
+        return blocks + tiers + self._imp.nbytes
 
     def stored_bytes(self) -> int:
         """Bytes of stored elements, counted as the seed's ``memory_bytes``."""
         rows = int(self.lens.sum())
         hd, w = self.head_dim, self.mode.float_dtype.itemsize
+        if self.mode.tiered:
+            return self._tiered_bytes()
         total = 0
         total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * w
         total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * w
@@ -218,6 +240,10 @@ class LayerStorage:
         """Drop the last ``d`` rows of every head (generation kept)."""
         self.lens = np.maximum(self.lens - d, 0)
         np.minimum(self.xlen, self.lens, out=self.xlen)
+        if self.mode.tiered:
+            # The newest rows go; older rows keep the tier they reached.
+            np.minimum(self.b8, self.lens, out=self.b8)
+            np.minimum(self.b4, self.lens, out=self.b4)
         self.seq_len = max(self.seq_len - d, 0)
         self.edits += 1
         self._floors.append((self.edits, self.lens.copy()))
@@ -253,6 +279,9 @@ class LayerStorage:
                 if x is not None and left:
                     x[h, :left] = x[h, dh:xl].copy()
             self.xlen[h] = left
+        if self.mode.tiered:
+            for h in range(self.num_kv_heads):
+                self._drop_front_tiers(h, min(d, int(self.lens[h])))
         self.lens = np.maximum(self.lens - d, 0)
         di = min(d, self.seq_len)
         self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
@@ -280,6 +309,9 @@ class LayerStorage:
                 if x is not None and idx.size:
                     x[h, : idx.size] = x[h, idx]
             self.xlen[h] = idx.size
+        if self.mode.tiered:
+            for h in range(self.num_kv_heads):
+                self._gather_tiers(h, kept[kept < int(self.lens[h])])
         self.lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
         imp = self._imp[kept].copy()
         self._imp[: kept.size] = imp
@@ -290,6 +322,9 @@ class LayerStorage:
         """Forget every row and the q8 field; capacity is kept for reuse."""
         self.lens[:] = 0
         self.xlen[:] = 0
+        if self.mode.tiered:
+            self.b4[:] = 0
+            self.b8[:] = 0
         self.seq_len = 0
         self.kcol_set[:] = False
         self.vcol_set[:] = False
@@ -301,5 +336,141 @@ class LayerStorage:
         """Clear and give the capacity back (an O(1) seal's memory claim)."""
         self.clear()
         self.k = self.v = self.kq = self.ks = self.vq = self.vs = None
+        self.k4 = self.k4s = self.v4 = self.v4s = None
         self.cap = 0
         self._imp = np.zeros(0, dtype=np.float32)
+
+    # ── q4 tiers ──
+    #
+    # Rows of a head, oldest first: [0, b4) int4 (the k4/v4 blocks, indexed by
+    # position), [b4, b8) int8 (t8*, the tier's own buffer, oldest first),
+    # [b8, lens) float16 (th*). A row moves down a tier when the tier above
+    # it overflows (an append), never back (a truncation leaves the older
+    # rows where they are). Every move requantizes the row from the form it
+    # leaves, row by row, so n appends and one extend of n rows store the
+    # same bits. All three hold rotated rows (``rotated``).
+
+    def head_block_names(self) -> tuple[str, ...]:
+        """Per-head state arrays beyond the row blocks (``[nkv, ...]``): q4's tiers."""
+        if not self.mode.tiered:
+            return ()
+        return ("b4", "b8", "t8k", "t8ks", "t8v", "t8vs", "thk", "thv")
+
+    def _init_tiers(self) -> None:
+        nkv, hd = self.num_kv_heads, self.head_dim
+        g8 = num_groups(hd, Q4_INT8_GROUP)
+        self.b4 = np.zeros(nkv, np.int64)
+        self.b8 = np.zeros(nkv, np.int64)
+        self.t8k = np.zeros((nkv, Q4_INT8_ROWS, hd), np.int8)
+        self.t8v = np.zeros((nkv, Q4_INT8_ROWS, hd), np.int8)
+        self.t8ks = np.zeros((nkv, Q4_INT8_ROWS, g8), np.float16)
+        self.t8vs = np.zeros((nkv, Q4_INT8_ROWS, g8), np.float16)
+        self.thk = np.zeros((nkv, Q4_WINDOW, hd), np.float16)
+        self.thv = np.zeros((nkv, Q4_WINDOW, hd), np.float16)
+
+    def tiers_consistent(self) -> str | None:
+        """What is wrong with the tier counters (None when they are sound): an
+        imported record is checked with this before it is installed."""
+        b4, b8, lens = self.b4, self.b8, self.lens
+        if (b4 < 0).any() or (b4 > b8).any() or (b8 > lens).any():
+            return f"tier bounds b4 {b4.tolist()} <= b8 {b8.tolist()} <= rows {lens.tolist()} do not hold"
+        if ((b8 - b4) > Q4_INT8_ROWS).any() or ((lens - b8) > Q4_WINDOW).any():
+            return (f"tiers hold more than {Q4_INT8_ROWS} int8 / {Q4_WINDOW} float16 rows "
+                    f"(b4 {b4.tolist()}, b8 {b8.tolist()}, rows {lens.tolist()})")
+        return None
+
+    def append_tiered(self, rk: np.ndarray, rv: np.ndarray, heads: np.ndarray, n: int) -> None:
+        """Tier ``n`` rotated rows per head (``[len(heads), n, hd]`` float32) of
+        ``heads`` in; the caller then counts them (:meth:`append`)."""
+        if not heads.size or not n:
+            return
+        self.reserve(int(self.lens[heads].max()) + n)
+        for i, h in enumerate(heads):
+            n_h, b4, b8 = int(self.lens[h]), int(self.b4[h]), int(self.b8[h])
+            fh, c8 = n_h - b8, b8 - b4
+            out16 = max(fh + n - Q4_WINDOW, 0)             # rows leaving float16
+            out8 = max(c8 + out16 - Q4_INT8_ROWS, 0)       # rows leaving int8
+            for side, r, group in (("k", rk[i], Q4_K_GROUP), ("v", rv[i], Q4_V_GROUP)):
+                th, t8, t8s = getattr(self, "th" + side), getattr(self, "t8" + side), getattr(self, "t8" + side + "s")
+                f = np.concatenate([th[h, :fh], r.astype(np.float16)])
+                codes, sc = quantize_half_scaled(f[:out16].astype(np.float32), Q4_INT8_GROUP, 127)
+                c8_all = np.concatenate([t8[h, :c8], codes])
+                s8_all = np.concatenate([t8s[h, :c8], sc])
+                if out8:
+                    rows = dequantize_half_scaled(c8_all[:out8], s8_all[:out8], Q4_INT8_GROUP)
+                    c4, s4 = quantize_half_scaled(rows, group, 7)
+                    getattr(self, side + "4")[h, b4:b4 + out8] = pack_int4(c4)
+                    getattr(self, side + "4s")[h, b4:b4 + out8] = s4
+                t8[h, : c8_all.shape[0] - out8] = c8_all[out8:]
+                t8s[h, : c8_all.shape[0] - out8] = s8_all[out8:]
+                th[h, : f.shape[0] - out16] = f[out16:]
+            self.b4[h] = b4 + out8
+            self.b8[h] = b8 + out16
+
+    def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
+        """Rows ``[lo, n)`` of head ``h`` in float32 (rotated basis), each read
+        from the tier it sits in; the exact first rows from ``xk``/``xv``."""
+        hd = self.head_dim
+        b4, b8 = min(int(self.b4[h]), n), min(int(self.b8[h]), n)
+        out = np.empty((max(n - lo, 0), hd), np.float32)
+        a, z = lo, min(b4, n)
+        if z > a:
+            group = Q4_K_GROUP if side == "k" else Q4_V_GROUP
+            codes = unpack_int4(getattr(self, side + "4")[h, a:z], hd)
+            out[: z - a] = dequantize_half_scaled(codes, getattr(self, side + "4s")[h, a:z], group)
+        a0, z = max(lo, int(self.b4[h])), min(b8, n)
+        if z > a0:
+            o = a0 - int(self.b4[h])
+            t8, t8s = getattr(self, "t8" + side), getattr(self, "t8" + side + "s")
+            out[a0 - lo: z - lo] = dequantize_half_scaled(t8[h, o:o + z - a0], t8s[h, o:o + z - a0], Q4_INT8_GROUP)
+        a0 = max(lo, int(self.b8[h]))
+        if n > a0:
+            o = a0 - int(self.b8[h])
+            out[a0 - lo:] = getattr(self, "th" + side)[h, o:o + n - a0].astype(np.float32)
+        xl = min(int(self.xlen[h]), n)
+        if lo < xl:
+            out[: xl - lo] = getattr(self, "x" + side)[h, lo:xl]
+        return out
+
+    def _tiered_bytes(self) -> int:
+        hd = self.head_dim
+        n4 = int(self.b4.sum())
+        n8 = int((self.b8 - self.b4).sum())
+        n16 = int((self.lens - self.b8).sum())
+        half = -(-hd // 2)
+        total = n4 * (2 * half + 2 * (num_groups(hd, Q4_K_GROUP) + num_groups(hd, Q4_V_GROUP)))
+        total += n8 * 2 * (hd + 2 * num_groups(hd, Q4_INT8_GROUP))
+        total += n16 * 2 * hd * 2
+        total += int(self.xlen.sum()) * hd * 4 * 2
+        return total
+
+    def _drop_front_tiers(self, h: int, d: int) -> None:
+        """Head ``h`` loses its first ``d`` rows (the caller shifts the blocks)."""
+        b4, b8 = int(self.b4[h]), int(self.b8[h])
+        d8 = min(max(d - b4, 0), b8 - b4)                 # int8 rows dropped
+        if d8:
+            for name in ("t8k", "t8ks", "t8v", "t8vs"):
+                t = getattr(self, name)
+                t[h, : b8 - b4 - d8] = t[h, d8:b8 - b4].copy()
+        d16 = min(max(d - b8, 0), int(self.lens[h]) - b8)  # float16 rows dropped
+        if d16:
+            for name in ("thk", "thv"):
+                t = getattr(self, name)
+                t[h, : int(self.lens[h]) - b8 - d16] = t[h, d16:int(self.lens[h]) - b8].copy()
+        self.b4[h] = max(b4 - d, 0)
+        self.b8[h] = max(b8 - d, 0)
+
+    def _gather_tiers(self, h: int, kept: np.ndarray) -> None:
+        """Head ``h`` keeps rows ``kept`` (ascending, below its length); the
+        caller gathers the int4 blocks by position."""
+        b4, b8 = int(self.b4[h]), int(self.b8[h])
+        k8 = kept[(kept >= b4) & (kept < b8)] - b4
+        k16 = kept[kept >= b8] - b8
+        for name in ("t8k", "t8ks", "t8v", "t8vs"):
+            t = getattr(self, name)
+            t[h, : k8.size] = t[h, k8]
+        for name in ("thk", "thv"):
+            t = getattr(self, name)
+            t[h, : k16.size] = t[h, k16]
+        self.b4[h] = int(np.count_nonzero(kept < b4))
+        self.b8[h] = self.b4[h] + k8.size

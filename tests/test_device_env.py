@@ -91,7 +91,7 @@ def test_kvreg_info_reports_a_failing_backend_without_a_traceback(capsys, monkey
     {"KVREG_BACKEND": "opencl", "KVREG_DEVICE": "nope"},
     {"KVREG_DEVICE": "nope"},
     {"KVREG_BACKEND": "nosuch"},
-    {"KVREG_KV": "q4"},
+    {"KVREG_KV": "int4"},
     {"KVREG_BACKEND": "numba", "KVREG_DEVICE": "0:0"},
 ])
 def test_kvreg_info_never_tracebacks_on_a_bad_environment(env):

@@ -414,12 +414,12 @@ def test_kv_mode_from_env(monkeypatch, value, mode):
 
 
 def test_kv_mode_from_env_refuses_an_unknown_value(monkeypatch):
-    monkeypatch.setenv("KVREG_KV", "q4")
+    monkeypatch.setenv("KVREG_KV", "int4")
     with pytest.raises(ConfigError) as err:
         KvMode.from_env()
-    for accepted in ("f32", "q8", "q8_2f", "q8k", "q8v", "q8k_2f", "q8v_2f"):
+    for accepted in ("f32", "f16", "bf16", "q4", "q8", "q8_2f", "q8k", "q8v", "q8k_2f", "q8v_2f"):
         assert accepted in str(err.value)
-    assert "q4" in str(err.value)
+    assert "int4" in str(err.value)
     assert isinstance(err.value, ValueError)
 
 

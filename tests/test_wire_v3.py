@@ -24,7 +24,7 @@ from hypothesis import strategies as hs
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.cli import main
-from kvreg.modes import KV_COL_WARMUP
+from kvreg.modes import KV_COL_WARMUP, Q4_SINK_ROWS
 from kvreg.wire import (
     DTYPE_CODES, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer, inspect,
 )
@@ -498,7 +498,7 @@ def test_the_block_list_is_read_from_the_storage(mode):
     assert names[:len(probe.block_names())] == list(probe.block_names())
     assert ("xk" in names) == mode.quant_k and ("xv" in names) == mode.quant_v
     assert ("kcol" in names) == mode.field
-    assert schema.exact_cap == (EXACT if (mode.quant_k or mode.quant_v) else 0)
+    assert schema.exact_cap == (Q4_SINK_ROWS if mode.tiered else EXACT if (mode.quant_k or mode.quant_v) else 0)
 
 
 # --------------------------------------------------- cache container

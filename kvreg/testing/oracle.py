@@ -50,15 +50,33 @@ def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int, exact, xlen) ->
     return out
 
 
+def _hadamard64(hd: int) -> np.ndarray:
+    """Sylvester's orthonormal Hadamard matrix in float64 (symmetric, its own inverse)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < hd:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(hd)
+
+
+def _tiered64(st, side: str, g: int, n: int) -> np.ndarray:
+    """q4 rows in their tiers' float32 values, rotated back in float64."""
+    rows = np.array(st.attended_rows(side, g, 0, n), dtype=np.float64)
+    return rows @ _hadamard64(st.head_dim) if st.rotated else rows
+
+
 def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
     """Keys of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 K."""
     n = int(st.lens[g]) if n is None else n
+    if st.mode.tiered:
+        return _tiered64(st, "k", g, n)
     return _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP, st.xk, st.xlen)
 
 
 def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     """Values of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 V."""
     n = int(st.lens[g]) if n is None else n
+    if st.mode.tiered:
+        return _tiered64(st, "v", g, n)
     return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen)
 
 

@@ -1,0 +1,120 @@
+"""q4: rotated rows aging through float16, int8 and int4 tiers (kvreg.storage)."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from kvreg import KvMode, LayerKvCache, ShapeError, WireError
+from kvreg.modes import Q4_INT8_ROWS, Q4_SINK_ROWS, Q4_WINDOW
+from kvreg.quant import fwht, pack_int4, quantize_half_scaled, unpack_int4
+
+
+def rows(n, nkv, hd, seed=0, scale=1.0):
+    r = np.random.default_rng(seed)
+    return (r.standard_normal((n, nkv, hd)) * scale).astype(np.float32)
+
+
+def q4(nkv=2, hd=64):
+    return LayerKvCache(nkv, hd, "q4", "reference")
+
+
+@pytest.mark.parametrize("nkv, hd", [(3, 64), (1, 256)])
+def test_bytes_per_element_at_2k_rows_stay_under_0_6(nkv, hd):
+    c = q4(nkv, hd)
+    k = rows(2048, nkv, hd)
+    c.extend(k, k)
+    assert c.memory_bytes() / (2 * nkv * hd * 2048) <= 0.6
+
+
+def test_rows_age_through_the_tiers():
+    c = q4()
+    c.extend(rows(10, 2, 64), rows(10, 2, 64, 1))
+    st = c.storage
+    assert st.b4.tolist() == [0, 0] and st.b8.tolist() == [0, 0]     # all float16
+    c.extend(rows(290, 2, 64, 2), rows(290, 2, 64, 3))
+    assert st.b8.tolist() == [300 - Q4_WINDOW] * 2
+    assert st.b4.tolist() == [300 - Q4_WINDOW - Q4_INT8_ROWS] * 2
+    # a rollback takes the newest rows and leaves the older in their tier
+    c.truncate_last(20)
+    assert st.lens.tolist() == [280, 280] and st.b8.tolist() == [280, 280] and st.b4.tolist() == [172, 172]
+
+
+def test_the_window_is_float16_of_the_rotated_row():
+    c = q4(1, 64)
+    k, v = rows(5, 1, 64), rows(5, 1, 64, 1)
+    c.extend(k, v)
+    st = c.storage
+    assert np.array_equal(st.thk[0, :5], fwht(k[:, 0]).astype(np.float16))
+    # the first rows are also exact, rotated float32
+    assert np.array_equal(st.xk[0, :Q4_SINK_ROWS], fwht(k[:Q4_SINK_ROWS, 0]))
+
+
+def test_int4_codes_round_half_away_with_the_stored_float16_scale():
+    x = np.zeros((1, 32), np.float32)
+    x[0, :6] = [7.0, 0.5, -0.5, 1.5, -2.5, 3.49]
+    codes, s = quantize_half_scaled(x, 32, 7)
+    assert s.dtype == np.float16 and float(s[0, 0]) == 1.0
+    assert codes[0, :6].tolist() == [7, 1, -1, 2, -3, 3]
+    c = np.array([[-8, -1, 0, 7, 3]], np.int8)
+    packed = pack_int4(c)
+    assert packed.tolist() == [[0xF8, 0x70, 0x03]] and np.array_equal(unpack_int4(packed, 5), c)
+
+
+def test_attention_follows_f32_on_smooth_rows():
+    # rows with a shared direction (as real keys): attention is close to f32's
+    nkv, hd, n = 2, 64, 600
+    base = rows(1, nkv, hd, 9)
+    k = base + 0.3 * rows(n, nkv, hd, 1)
+    v = rows(n, nkv, hd, 2)
+    a, f = q4(nkv, hd), LayerKvCache(nkv, hd, "f32", "reference")
+    a.extend(k, v)
+    f.extend(k, v)
+    q = rows(1, 8, hd, 3)[0]
+    got, want = a.attend_layer(q), f.attend_layer(q)
+    # int4 values of random V rows: about 16% of the output's peak here; a
+    # basis mix-up (rows rotated, queries or outputs not) is ~100%.
+    assert np.abs(got - want).max() < 0.3 * np.abs(want).max()
+    assert np.corrcoef(got.ravel(), want.ravel())[0, 1] > 0.95
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, 1e6])
+def test_bad_rows_are_refused_before_anything_changes(bad):
+    c = q4(1, 64)
+    c.extend(rows(40, 1, 64), rows(40, 1, 64, 1))
+    before = c.export_wire()
+    k = rows(1, 1, 64, 2)
+    k[0, 0, 3] = bad
+    with pytest.raises(ShapeError):
+        c.extend(k, k)
+    assert c.export_wire() == before
+
+
+def test_a_record_with_broken_tier_counters_is_refused():
+    c = q4(1, 64)
+    c.extend(rows(200, 1, 64), rows(200, 1, 64, 1))
+    blob = bytearray(c.export_wire())
+    # find the b8 counter block's payload (u8 name length, "b8") and make it
+    # exceed the rows held
+    at = blob.index(b"\x02b8")
+    d = LayerKvCache(1, 64, "q4", "reference")
+    d.import_wire(bytes(blob))        # sound as exported
+    assert d.export_wire() == bytes(blob)
+    good_b8 = struct.pack("<q", 200 - Q4_WINDOW)
+    pos = blob.index(good_b8, at)
+    blob[pos:pos + 8] = struct.pack("<q", 10_000)
+    e = LayerKvCache(1, 64, "q4", "reference")
+    with pytest.raises(WireError, match="tier"):
+        e.import_wire(bytes(blob))
+    assert e.seq_len == 0 and e.mode is KvMode.Q4
+
+
+def test_eviction_keeps_each_row_in_its_tier():
+    c = q4(1, 64)
+    k, v = rows(300, 1, 64), rows(300, 1, 64, 1)
+    c.extend(k, v)
+    before = [c.storage.attended_rows("k", 0, 0, 300)]
+    c.evict(150)                      # keep the newest 150 rows
+    after = c.storage.attended_rows("k", 0, 0, 150)
+    assert np.array_equal(after[Q4_SINK_ROWS:], before[0][150 + Q4_SINK_ROWS:]) or \
+        np.array_equal(after, before[0][150:])
