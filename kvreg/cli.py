@@ -60,7 +60,7 @@ def _cmd_info(args) -> int:
 
 #: One line per KV mode for ``kvreg info``; a mode missing here gets a generic line.
 _KV_MODE_DESCRIPTIONS = {
-    "f32": "float32 K and V (exact)",
+    "f32": "float32 K and V (exact; kvreg eval's reference)",
     "f16": "IEEE binary16 K and V, round to nearest even",
     "bf16": "bfloat16 K and V, round to nearest even",
     "q8": "int8 K (scale per 32 channels) and V (scale per row), no field",

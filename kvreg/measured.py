@@ -3,8 +3,9 @@ these figures live (``kvreg info`` prints them; the README quotes them).
 
 These are measurements of ``kvreg eval`` on CPython's ``textwrap.py``
 (1024 tokens, prefix 256): the mean KL divergence of the next-token
-distribution from the float32 ``DynamicCache`` run, and the top-1 agreement
-with it, per mode and model. ``None`` is a figure not measured.
+distribution, KL(reference || mode) in nats, from the reference run (kvreg
+``f32``, which equals ``DynamicCache``) over the 768 scored positions, and
+the top-1 agreement with it, per mode and model. ``None`` is a figure not measured.
 
 To regenerate, run :data:`COMMAND` (once per model, one model per process,
 single-threaded) with the modes to measure in ``--configs``, and copy each mode's ``kl`` and ``top1`` from the JSON into
@@ -26,6 +27,8 @@ MODELS = ("smollm2-135m", "gemma3-270m")
 
 #: ``{mode value: {model: (mean KL, top-1 agreement as a fraction or None)}}``.
 KL: dict[str, dict[str, tuple[float, float | None]]] = {
+    "f16": {"smollm2-135m": (6.65e-7, 1.0), "gemma3-270m": (8.65e-7, 0.9974)},
+    "bf16": {"smollm2-135m": (4.49e-5, 0.9987), "gemma3-270m": (3.37e-5, 0.9922)},
     "q8": {"smollm2-135m": (4.35e-4, 0.988), "gemma3-270m": (9.19e-4, 0.982)},
     "q8v": {"smollm2-135m": (4.24e-5, None), "gemma3-270m": (1.07e-4, None)},
     "q8_2f": {"smollm2-135m": (1.25e-3, None), "gemma3-270m": (2.43e-2, None)},
