@@ -106,7 +106,15 @@ class Checker:
 
 # ── storage comparison (exact class) ──
 
-_BLOCKS = ("k", "v", "kq", "ks", "vq", "vs")
+def _written_rows(st, block: str) -> np.ndarray:
+    """Per head, how many leading rows of a row block hold data: q4's int4
+    blocks up to its int4 tier, a q8 side with a float16 window up to the
+    window, every other block all its rows."""
+    if st.mode.tiered:
+        return st.b4
+    if st.window and ((block in ("kq", "ks") and st.thk is not None) or (block in ("vq", "vs") and st.thv is not None)):
+        return st.b8
+    return st.lens
 
 
 def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what: str = "") -> None:
@@ -118,15 +126,34 @@ def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what
     check.equal(kernel, (got_layer.seq_len, got_layer.base), (want_layer.seq_len, want_layer.base),
                 f"{what}: (seq_len, base)")
     check.exact(kernel, a.imp, b.imp, f"{what}: importance")
-    for name in _BLOCKS:
+    if a.block_names() != b.block_names() or a.head_block_names() != b.head_block_names():
+        raise AssertionError(f"kernel {kernel} ({what}): the layers store different blocks")
+    if a.window:
+        check.exact(kernel, a.b8, b.b8, f"{what}: float16 window bounds")
+    if a.mode.tiered:
+        check.exact(kernel, a.b4, b.b4, f"{what}: int4 tier bounds")
+    for name in a.block_names():
         x, y = getattr(a, name), getattr(b, name)
-        if (x is None) != (y is None):
-            raise AssertionError(f"kernel {kernel} ({what}): block {name} present in one layer only")
-        if x is None:
+        if x is None or y is None:
+            if (x is None) != (y is None):
+                raise AssertionError(f"kernel {kernel} ({what}): block {name} allocated in one layer only")
             continue
+        # Only written rows: a window row's integer slot (q8) and a q4 row
+        # above the int4 tier are unwritten.
+        upto = _written_rows(a, name)
         for h in range(a.num_kv_heads):
-            n = int(a.lens[h])
+            n = int(upto[h])
             check.exact(kernel, x[h, :n], y[h, :n], f"{what}: {name} of head {h}")
+    for name in a.head_block_names():
+        x, y = getattr(a, name), getattr(b, name)
+        if name.startswith("th"):
+            for h in range(a.num_kv_heads):
+                n = int(a.lens[h] - a.b8[h])
+                check.exact(kernel, x[h, :n], y[h, :n], f"{what}: {name} (float16 window) of head {h}")
+        elif name.startswith("t8"):
+            for h in range(a.num_kv_heads):
+                n = int(a.b8[h] - a.b4[h])
+                check.exact(kernel, x[h, :n], y[h, :n], f"{what}: {name} (int8 tier) of head {h}")
     check.exact(kernel, a.kcol_set, b.kcol_set, f"{what}: kcol_set")
     check.exact(kernel, a.vcol_set, b.vcol_set, f"{what}: vcol_set")
     for h in range(a.num_kv_heads):

@@ -7,10 +7,11 @@ import numpy as np
 from kvreg import KvMode, LayerKvCache
 
 ALL_MODES = tuple(KvMode)
-#: Modes whose rows keep one form for life. A tiered mode (q4) moves a row
-#: to a coarser form as newer rows arrive, so reading the first ``i`` rows
-#: later (``upto=i``) reads them as they are now, not as they were at ``i``.
-AGELESS_MODES = tuple(m for m in KvMode if not m.tiered)
+#: Modes whose rows keep one form for life. A mode with a float16 window
+#: (q8, q8k, q8v, q4) moves a row to its integer form as newer rows arrive
+#: (q4 further, to int4), so reading the first ``i`` rows later (``upto=i``)
+#: reads them as they are now, not as they were at ``i``.
+AGELESS_MODES = tuple(m for m in KvMode if not m.window)
 
 
 def f32(xs) -> np.ndarray:

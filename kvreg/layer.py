@@ -37,6 +37,12 @@ MAX_ROW = 2**24
 Q8_ABS_MAX = 1e18
 
 
+def _basis(rotated: bool, x: np.ndarray) -> np.ndarray:
+    """Rows into (or, the transform being its own inverse, out of) the
+    Walsh-Hadamard basis when ``rotated``; else float32 as they are."""
+    return fwht(x) if rotated else np.asarray(x, dtype=np.float32)
+
+
 def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
     """The 2f field of each row to quantize (``n`` rows per head, head-major),
     1 for a head whose field is not frozen; None before any freeze."""
@@ -332,6 +338,25 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             every = heads.size == self.num_kv_heads
             kh = (k if every else k[:, heads]).transpose(1, 0, 2)
             vh = (v if every else v[:, heads]).transpose(1, 0, 2)
+            if st.window:
+                # q8: the rows join the float16 window; those it pushes out are
+                # quantized from their float16 value (one call for every head).
+                kh, vh = _basis(st.rot_k, kh), vh
+                if t:
+                    exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
+                st.reserve(int(st.lens[heads].max()) + n)
+                for side, x, group in (("k", kh, KV_K_GROUP), ("v", vh, hd)):
+                    if getattr(st, "th" + side) is None:
+                        rows[side] = x
+                        continue
+                    where, leaving = st.push_window(side, heads, x)
+                    if leaving.shape[0]:
+                        q, sc = self.backend.quantize_rows(leaving, None, group)
+                        st.write_quantized(side, where, q, sc)
+                st.advance_window(heads, n)
+                st.append(rows, heads, n, exact)
+                self._seq_len += n
+                return
             if mode.quant_k:
                 col = _field_rows(st.kcol, st.kcol_set, heads, n)
                 kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, KV_K_GROUP)
@@ -359,9 +384,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """q4: rotate the rows of the alive ``heads``, check them, tier them in."""
         st, n = self._st, k.shape[0]
         every = heads.size == self.num_kv_heads
-        rot = fwht if st.rotated else (lambda x: np.array(x, dtype=np.float32))
-        rk = rot((k if every else k[:, heads]).transpose(1, 0, 2))
-        rv = rot((v if every else v[:, heads]).transpose(1, 0, 2))
+        rk = _basis(st.rot_k, (k if every else k[:, heads]).transpose(1, 0, 2))
+        rv = _basis(st.rot_v, (v if every else v[:, heads]).transpose(1, 0, 2))
         for name, r in (("k", rk), ("v", rv)):
             # The newest rows are float16 (the scales too): a rotated value
             # past its range would be stored as inf.
@@ -419,11 +443,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return out[0], probs
 
     def _rotated_attend(self, kernel, q, st, *args, **kwargs) -> np.ndarray:
-        """``kernel(q, st, ...)``, in the rotated basis when the rows are
-        (q4): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and ``H Σ p Hv = Σ p v`` (H is its own inverse)."""
-        if not st.rotated:
-            return kernel(q, st, *args, **kwargs)
-        return fwht(kernel(fwht(q), st, *args, **kwargs))
+        """``kernel(q, st, ...)``, in the rotated basis where the rows are (q8's
+        and q4's K, q4's V): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and ``H Σ p Hv = Σ p v``
+        (H is its own inverse)."""
+        out = kernel(fwht(q) if st.rot_k else q, st, *args, **kwargs)
+        return fwht(out) if st.rot_v else out
 
     def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
                      sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
@@ -504,7 +528,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             # A window past every row reads them all: clamped (as attend_layer).
             window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
-        native_q8 = self.mode.quantized and not self.mode.tiered and getattr(self.backend, "native_q8_chunk", False)
+        native_q8 = self.mode.quantized and not self._st.window and getattr(self.backend, "native_q8_chunk", False)
         if self.mode is KvMode.F32 or native_q8:
             return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
@@ -520,10 +544,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         src = self._st
         view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
         view.reserve(n - lo)
-        back = fwht if src.rotated else (lambda x: x)
         for h in range(self.num_kv_heads):
-            view.k[h, : n - lo] = back(src.attended_rows("k", h, lo, n))
-            view.v[h, : n - lo] = back(src.attended_rows("v", h, lo, n))
+            view.k[h, : n - lo] = _basis(src.rot_k, src.attended_rows("k", h, lo, n))
+            view.v[h, : n - lo] = _basis(src.rot_v, src.attended_rows("v", h, lo, n))
         view.lens[:] = n - lo
         return view
 

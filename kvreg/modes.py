@@ -20,6 +20,12 @@ KV_K_GROUP = 32
 #: ``q8_exact_rows=0`` on a layer gives the seed's storage bit for bit.
 Q8_EXACT_ROWS = 1
 
+#: The newest rows of each head a q8 layer (``Q8``, ``Q8K``, ``Q8V``) keeps in
+#: float16 instead of int8, on its quantized side(s); a row is quantized when
+#: it leaves (tools/kv_quant_study.py: 8 rows cut SmolLM2's KL 3x at the same
+#: bytes; docs/formats.md).
+Q8_WINDOW = 8
+
 #: q4's tiers (measured with tools/kv_quant_study.py, see docs/formats.md):
 #: each head's newest ``Q4_WINDOW`` rows are float16; the next
 #: ``Q4_INT8_ROWS`` older ones int8 (float16 scale per 32 channels); older
@@ -87,6 +93,23 @@ class KvMode(enum.Enum):
     @property
     def quant_v(self) -> bool:
         return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q8_2F, KvMode.Q8V_2F, KvMode.Q4)
+
+    @property
+    def window(self) -> int:
+        """How many newest rows per head the quantized side(s) hold in float16."""
+        if self is KvMode.Q4:
+            return Q4_WINDOW
+        return Q8_WINDOW if self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8V) else 0
+
+    @property
+    def rotates_k(self) -> bool:
+        """Whether K rows are stored Walsh-Hadamard rotated (q8, q8k, q4; for a
+        power-of-two head_dim): rotation spreads outlier channels over all."""
+        return self in (KvMode.Q8, KvMode.Q8K, KvMode.Q4)
+
+    @property
+    def rotates_v(self) -> bool:
+        return self is KvMode.Q4
 
     @property
     def tiered(self) -> bool:

@@ -40,20 +40,38 @@ def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
         return out
     # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order; the
     # exact rows (field space) are plain dots with q ⊙ col_k.
+    # The float16 window rows [w0, n) are plain dots too (widened).
     hd = st.head_dim
     x1 = min(max(int(st.xlen[g]), first), n)
-    kq = st.kq[g, x1:n].astype(np.float32)
-    ks = st.ks[g, x1:n]
+    w0 = max(_window_start(st, g, n), x1)
+    kq = st.kq[g, x1:w0].astype(np.float32)
+    ks = st.ks[g, x1:w0]
     qc = q * st.kcol[g] if st.kcol_set[g] else q
+    win = _window_rows(st.thk, st, g, w0, n)
     for h in range(nh):
-        acc = np.zeros(n - x1, dtype=np.float32)
+        acc = np.zeros(w0 - x1, dtype=np.float32)
         for j in range(st.ngk):
             j0, j1 = j * KV_K_GROUP, min((j + 1) * KV_K_GROUP, hd)
             acc += (kq[:, j0:j1] @ qc[h, j0:j1]) * ks[:, j]
-        out[h, x1 - first:] = acc
+        out[h, x1 - first:w0 - first] = acc
+        if win is not None:
+            out[h, w0 - first:] = win @ qc[h]
         for r in range(first, x1):
             out[h, r - first] = st.xk[g, r] @ qc[h]
     return out
+
+
+def _window_start(st, g: int, n: int) -> int:
+    """First row of head ``g``'s float16 window among ``[0, n)`` (``n``: none)."""
+    return min(int(st.b8[g]), n) if st.window else n
+
+
+def _window_rows(th, st, g: int, w0: int, n: int):
+    """Rows ``[w0, n)`` of a float16 window, widened (None when empty)."""
+    if th is None or n <= w0:
+        return None
+    o = w0 - int(st.b8[g])
+    return th[g, o:o + n - w0].astype(np.float32)
 
 
 def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
@@ -95,12 +113,17 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
     # q8 V: the int8 rows with their per-row scale folded into the weight,
     # plus the exact rows (field space); the field multiplies the sum.
     x1 = min(max(int(st.xlen[g]), first), n)
-    vq = st.vq[g, x1:n].astype(np.float32)
-    vs = st.vs[g, x1:n]
+    w0 = max(_window_start(st, g, n), x1)
+    vq = st.vq[g, x1:w0].astype(np.float32)
+    vs = st.vs[g, x1:w0]
+    win = _window_rows(st.thv, st, g, w0, n)
     for h in range(nh):
-        w = p[h, x1 - first:] * vs
+        w = p[h, x1 - first:w0 - first] * vs
         w = np.where(np.abs(w) < _SKIP, np.float32(0), w)
         out[h] = w @ vq
+        if win is not None:
+            ww = np.where(np.abs(p[h, w0 - first:]) < _SKIP, np.float32(0), p[h, w0 - first:])
+            out[h] = ww @ win + out[h]
         if x1 > first:
             wx = np.where(np.abs(p[h, : x1 - first]) < _SKIP, np.float32(0), p[h, : x1 - first])
             out[h] = wx @ st.xv[g, first:x1] + out[h]

@@ -79,8 +79,21 @@ class LayerStorage:
         self.generation = next_generation()
         self.edits = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
-        #: q4: rows (and queries) live in the Walsh-Hadamard rotated basis.
-        self.rotated = mode.tiered and rotates(head_dim)
+        #: Whether K (V) rows, and so the queries (outputs), live in the
+        #: Walsh-Hadamard rotated basis.
+        self.rot_k = mode.rotates_k and rotates(head_dim)
+        self.rot_v = mode.rotates_v and rotates(head_dim)
+        #: The float16 window: each head's newest ``window`` rows of a quantized
+        #: side are ``thk``/``thv`` [nkv, window, hd] (oldest first), not yet
+        #: integer; rows ``[0, b8)`` are. The window rows' slots in the
+        #: integer blocks are allocated but unwritten.
+        self.window = mode.window
+        self.thk = self.thv = None
+        if self.window:
+            self.b8 = np.zeros(num_kv_heads, np.int64)
+            wshape = (num_kv_heads, self.window, head_dim)
+            self.thk = np.zeros(wshape, np.float16) if mode.quant_k else None
+            self.thv = np.zeros(wshape, np.float16) if mode.quant_v else None
         if mode.tiered:
             self._init_tiers()
 
@@ -115,8 +128,9 @@ class LayerStorage:
 
     def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
         """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them, float32
-        ``[n-lo, hd]``: f32 storage as stored (a view), f16/bf16 widened; q8 ``q·s·col`` with the exact
-        rows ``x·col`` (``side`` is ``"k"`` or ``"v"``)."""
+        ``[n-lo, hd]``: f32 storage as stored (a view), f16/bf16 widened; q8 ``q·s·col``, the
+        float16 window rows widened, the exact rows ``x·col``; q4 each row from its tier (``side`` is
+        ``"k"`` or ``"v"``). Rows of a rotated side are in the rotated basis."""
         quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
         if self.mode.tiered:
             return self._tiered_rows(side, h, lo, n)
@@ -126,6 +140,11 @@ class LayerStorage:
             rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
         else:
             rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
+        if self.window:
+            w0 = max(lo, int(self.b8[h]))
+            if n > w0:
+                o = w0 - int(self.b8[h])
+                rows[w0 - lo:] = getattr(self, "th" + side)[h, o:o + n - w0]
         x = getattr(self, "x" + side)
         xl = int(self.xlen[h])
         if lo < xl:
@@ -154,10 +173,11 @@ class LayerStorage:
             "v4": ((nkv, cap, -(-hd // 2)), np.uint8),
             "v4s": ((nkv, cap, num_groups(hd, Q4_V_GROUP)), np.float16),
         }
-        # np.empty: pages a dead head never writes are never faulted in. q4's
-        # int4 blocks are zeros: their rows in the upper tiers are not written
-        # yet, and a wire export ships every stored position's slot.
-        make = np.zeros if self.mode.tiered else np.empty
+        # np.empty: pages a dead head never writes are never faulted in. Under
+        # a float16 window (q8, q4) the integer slots of the newest rows are
+        # not written yet, and a wire export ships every stored position's
+        # slot: zeros (lazily mapped pages too), kept zero by truncate.
+        make = np.zeros if self.window else np.empty
         return {n: make(*shapes[n]) for n in self.block_names()}
 
     def reserve(self, rows: int) -> None:
@@ -190,8 +210,11 @@ class LayerStorage:
         if self.mode.tiered:
             return self._tiered_bytes()
         total = 0
-        total += rows * self.ngk * 4 + rows * hd if self.mode.quant_k else rows * hd * w
-        total += rows * 4 + rows * hd if self.mode.quant_v else rows * hd * w
+        # A window row is held in float16 only (its integer slot is unwritten).
+        win = int((self.lens - self.b8).sum()) if self.window else 0
+        irows = rows - win
+        total += irows * self.ngk * 4 + irows * hd + win * hd * 2 if self.mode.quant_k else rows * hd * w
+        total += irows * 4 + irows * hd + win * hd * 2 if self.mode.quant_v else rows * hd * w
         total += int(self.kcol_set.sum() + self.vcol_set.sum()) * hd * 4
         sides = (self.xk is not None) + (self.xv is not None)
         total += int(self.xlen.sum()) * hd * 4 * sides
@@ -238,15 +261,27 @@ class LayerStorage:
 
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
+        self._zero_rows_past(np.maximum(self.lens - d, 0))
         self.lens = np.maximum(self.lens - d, 0)
         np.minimum(self.xlen, self.lens, out=self.xlen)
-        if self.mode.tiered:
-            # The newest rows go; older rows keep the tier they reached.
+        if self.window:
+            # The newest rows go; older rows keep the form they reached.
             np.minimum(self.b8, self.lens, out=self.b8)
+        if self.mode.tiered:
             np.minimum(self.b4, self.lens, out=self.b4)
         self.seq_len = max(self.seq_len - d, 0)
         self.edits += 1
         self._floors.append((self.edits, self.lens.copy()))
+
+    def _zero_rows_past(self, new_lens: np.ndarray) -> None:
+        """Under a float16 window, zero the row slots ``[new_lens[h], lens[h])``
+        a shrink leaves behind: a later row's integer slot stays zero until
+        the row leaves the window (so equal layers export equal bytes)."""
+        if not (self.window and self.cap):
+            return
+        for h in range(self.num_kv_heads):
+            for name in self.block_names():
+                getattr(self, name)[h, int(new_lens[h]):int(self.lens[h])] = 0
 
     def edit_floor(self, since: int) -> np.ndarray | None:
         """Per-head minimum row count left by truncations after edit ``since``.
@@ -279,9 +314,10 @@ class LayerStorage:
                 if x is not None and left:
                     x[h, :left] = x[h, dh:xl].copy()
             self.xlen[h] = left
-        if self.mode.tiered:
+        if self.window:
             for h in range(self.num_kv_heads):
                 self._drop_front_tiers(h, min(d, int(self.lens[h])))
+        self._zero_rows_past(np.maximum(self.lens - d, 0))
         self.lens = np.maximum(self.lens - d, 0)
         di = min(d, self.seq_len)
         self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
@@ -309,10 +345,12 @@ class LayerStorage:
                 if x is not None and idx.size:
                     x[h, : idx.size] = x[h, idx]
             self.xlen[h] = idx.size
-        if self.mode.tiered:
+        if self.window:
             for h in range(self.num_kv_heads):
                 self._gather_tiers(h, kept[kept < int(self.lens[h])])
-        self.lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
+        lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
+        self._zero_rows_past(lens)
+        self.lens = lens
         imp = self._imp[kept].copy()
         self._imp[: kept.size] = imp
         self.seq_len = int(kept.size)
@@ -322,9 +360,10 @@ class LayerStorage:
         """Forget every row and the q8 field; capacity is kept for reuse."""
         self.lens[:] = 0
         self.xlen[:] = 0
+        if self.window:
+            self.b8[:] = 0
         if self.mode.tiered:
             self.b4[:] = 0
-            self.b8[:] = 0
         self.seq_len = 0
         self.kcol_set[:] = False
         self.vcol_set[:] = False
@@ -351,33 +390,76 @@ class LayerStorage:
     # same bits. All three hold rotated rows (``rotated``).
 
     def head_block_names(self) -> tuple[str, ...]:
-        """Per-head state arrays beyond the row blocks (``[nkv, ...]``): q4's tiers."""
-        if not self.mode.tiered:
+        """Per-head state arrays beyond the row blocks (``[nkv, ...]``): the
+        float16 window and its bound, q4's int8 tier."""
+        if not self.window:
             return ()
-        return ("b4", "b8", "t8k", "t8ks", "t8v", "t8vs", "thk", "thv")
+        names = ("b8",) + tuple(n for n in ("thk", "thv") if getattr(self, n) is not None)
+        return names + (("b4", "t8k", "t8ks", "t8v", "t8vs") if self.mode.tiered else ())
 
     def _init_tiers(self) -> None:
         nkv, hd = self.num_kv_heads, self.head_dim
         g8 = num_groups(hd, Q4_INT8_GROUP)
         self.b4 = np.zeros(nkv, np.int64)
-        self.b8 = np.zeros(nkv, np.int64)
         self.t8k = np.zeros((nkv, Q4_INT8_ROWS, hd), np.int8)
         self.t8v = np.zeros((nkv, Q4_INT8_ROWS, hd), np.int8)
         self.t8ks = np.zeros((nkv, Q4_INT8_ROWS, g8), np.float16)
         self.t8vs = np.zeros((nkv, Q4_INT8_ROWS, g8), np.float16)
-        self.thk = np.zeros((nkv, Q4_WINDOW, hd), np.float16)
-        self.thv = np.zeros((nkv, Q4_WINDOW, hd), np.float16)
 
     def tiers_consistent(self) -> str | None:
-        """What is wrong with the tier counters (None when they are sound): an
-        imported record is checked with this before it is installed."""
-        b4, b8, lens = self.b4, self.b8, self.lens
+        """What is wrong with the window/tier counters (None when they are
+        sound): an imported record is checked with this before it is installed."""
+        if not self.window:
+            return None
+        b8, lens = self.b8, self.lens
+        if not self.mode.tiered:
+            if (b8 < 0).any() or (b8 > lens).any() or ((lens - b8) > self.window).any():
+                return (f"window bound b8 {b8.tolist()} must lie within {self.window} rows below the rows held "
+                        f"{lens.tolist()}")
+            return None
+        b4 = self.b4
         if (b4 < 0).any() or (b4 > b8).any() or (b8 > lens).any():
             return f"tier bounds b4 {b4.tolist()} <= b8 {b8.tolist()} <= rows {lens.tolist()} do not hold"
         if ((b8 - b4) > Q4_INT8_ROWS).any() or ((lens - b8) > Q4_WINDOW).any():
             return (f"tiers hold more than {Q4_INT8_ROWS} int8 / {Q4_WINDOW} float16 rows "
                     f"(b4 {b4.tolist()}, b8 {b8.tolist()}, rows {lens.tolist()})")
         return None
+
+    def push_window(self, side: str, heads: np.ndarray, x: np.ndarray) -> tuple[tuple, np.ndarray]:
+        """q8: ``n`` new float32 rows per head (``[len(heads), n, hd]``) join
+        side ``side``'s float16 window; returns ``((head, position) index
+        arrays, float32 rows [m, hd])`` of the rows pushed out, oldest first,
+        for the caller to quantize into the integer blocks. Call
+        :meth:`advance_window` once both sides are pushed."""
+        th, w, n = getattr(self, "th" + side), self.window, x.shape[1]
+        fh = self.lens[heads] - self.b8[heads]
+        if heads.size and (fh == fh[0]).all():
+            f = np.concatenate([th[heads, : fh[0]], x.astype(np.float16)], axis=1)
+            out = max(int(fh[0]) + n - w, 0)
+            th[heads, : f.shape[1] - out] = f[:, out:]
+            pos = self.b8[heads][:, None] + np.arange(out)
+            return (np.repeat(heads, out), pos.ravel()), f[:, :out].reshape(-1, x.shape[2]).astype(np.float32)
+        hs, ps, rows = [], [], []
+        for i, h in enumerate(heads):
+            f = np.concatenate([th[h, : fh[i]], x[i].astype(np.float16)])
+            out = max(int(fh[i]) + n - w, 0)
+            th[h, : f.shape[0] - out] = f[out:]
+            hs.append(np.full(out, h))
+            ps.append(self.b8[h] + np.arange(out))
+            rows.append(f[:out].astype(np.float32))
+        return (np.concatenate(hs), np.concatenate(ps)), np.concatenate(rows)
+
+    def write_quantized(self, side: str, where: tuple, q: np.ndarray, s: np.ndarray) -> None:
+        """Integer rows (and their scales) of side ``side`` at ``where``, a
+        ``(head, position)`` index pair (:meth:`push_window`)."""
+        names = ("kq", "ks") if side == "k" else ("vq", "vs")
+        getattr(self, names[0])[where] = q
+        getattr(self, names[1])[where] = s if side == "k" else s[:, 0]
+
+    def advance_window(self, heads: np.ndarray, n: int) -> None:
+        """The window bound after ``n`` rows joined ``heads`` (before the append counts them)."""
+        fh = self.lens[heads] - self.b8[heads]
+        self.b8[heads] += np.maximum(fh + n - self.window, 0)
 
     def append_tiered(self, rk: np.ndarray, rv: np.ndarray, heads: np.ndarray, n: int) -> None:
         """Tier ``n`` rotated rows per head (``[len(heads), n, hd]`` float32) of
@@ -446,31 +528,35 @@ class LayerStorage:
 
     def _drop_front_tiers(self, h: int, d: int) -> None:
         """Head ``h`` loses its first ``d`` rows (the caller shifts the blocks)."""
-        b4, b8 = int(self.b4[h]), int(self.b8[h])
-        d8 = min(max(d - b4, 0), b8 - b4)                 # int8 rows dropped
+        b8 = int(self.b8[h])
+        b4 = int(self.b4[h]) if self.mode.tiered else 0
+        d8 = min(max(d - b4, 0), b8 - b4) if self.mode.tiered else 0  # q4's int8 rows dropped
         if d8:
             for name in ("t8k", "t8ks", "t8v", "t8vs"):
                 t = getattr(self, name)
                 t[h, : b8 - b4 - d8] = t[h, d8:b8 - b4].copy()
         d16 = min(max(d - b8, 0), int(self.lens[h]) - b8)  # float16 rows dropped
         if d16:
-            for name in ("thk", "thv"):
-                t = getattr(self, name)
-                t[h, : int(self.lens[h]) - b8 - d16] = t[h, d16:int(self.lens[h]) - b8].copy()
-        self.b4[h] = max(b4 - d, 0)
+            for t in (self.thk, self.thv):
+                if t is not None:
+                    t[h, : int(self.lens[h]) - b8 - d16] = t[h, d16:int(self.lens[h]) - b8].copy()
+        if self.mode.tiered:
+            self.b4[h] = max(b4 - d, 0)
         self.b8[h] = max(b8 - d, 0)
 
     def _gather_tiers(self, h: int, kept: np.ndarray) -> None:
         """Head ``h`` keeps rows ``kept`` (ascending, below its length); the
         caller gathers the int4 blocks by position."""
-        b4, b8 = int(self.b4[h]), int(self.b8[h])
-        k8 = kept[(kept >= b4) & (kept < b8)] - b4
+        b8 = int(self.b8[h])
         k16 = kept[kept >= b8] - b8
-        for name in ("t8k", "t8ks", "t8v", "t8vs"):
-            t = getattr(self, name)
-            t[h, : k8.size] = t[h, k8]
-        for name in ("thk", "thv"):
-            t = getattr(self, name)
-            t[h, : k16.size] = t[h, k16]
-        self.b4[h] = int(np.count_nonzero(kept < b4))
-        self.b8[h] = self.b4[h] + k8.size
+        for t in (self.thk, self.thv):
+            if t is not None:
+                t[h, : k16.size] = t[h, k16]
+        self.b8[h] = int(np.count_nonzero(kept < b8))
+        if self.mode.tiered:
+            b4 = int(self.b4[h])
+            k8 = kept[(kept >= b4) & (kept < b8)] - b4
+            for name in ("t8k", "t8ks", "t8v", "t8vs"):
+                t = getattr(self, name)
+                t[h, : k8.size] = t[h, k8]
+            self.b4[h] = int(np.count_nonzero(kept < b4))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvreg import ConfigError, KvMode, LayerKvCache, ShapeError, WireError
-from kvreg.modes import Q8_EXACT_ROWS
+from kvreg.modes import KV_K_GROUP, Q8_EXACT_ROWS
 from kvreg.quant import quantize_rows
 from kvreg.testing.q8_report import format_q8_table, q8_accuracy
 from kvreg.testing.realistic import exact_attention_f64
@@ -601,23 +601,34 @@ def test_q8_report_runs_on_real_attention_data():
 
 
 @pytest.mark.parametrize("mode", [KvMode.Q8, KvMode.Q8K, KvMode.Q8V])
-def test_field_free_modes_never_freeze_and_match_the_seed_before_its_freeze(mode):
-    """q8/q8k/q8v quantize every row against its own scales only: past 64
-    rows no field is set, and each stored row equals what the seed's storage
-    held before its freeze (the quantizer against col = 1)."""
+def test_field_free_modes_never_freeze_and_store_the_rotated_window_rows(mode):
+    """q8/q8k/q8v quantize every row against its own scales only (no field,
+    past 64 rows either): the newest Q8_WINDOW rows of a quantized side are
+    float16, every older row the quantizer's int8 of its float16 value, K
+    rows Walsh-Hadamard rotated first."""
+    from kvreg.modes import Q8_WINDOW
+    from kvreg.quant import fwht, quantize_rows
+
     rng = np.random.default_rng(3)
-    nkv, hd = 2, 64
-    x = (rng.standard_normal((130, nkv, hd)) * (1 + 9 * (np.arange(hd) % 7 == 0))).astype(np.float32)
-    y = rng.standard_normal((130, nkv, hd)).astype(np.float32)
+    nkv, hd, n = 2, 64, 130
+    x = (rng.standard_normal((n, nkv, hd)) * (1 + 9 * (np.arange(hd) % 7 == 0))).astype(np.float32)
+    y = rng.standard_normal((n, nkv, hd)).astype(np.float32)
     free = layer(nkv, hd, mode)
-    seed = layer(nkv, hd, KvMode.parse(mode.value + "_2f"))
-    for p in range(130):
+    for p in range(n):
         free.append(x[p], y[p])
-        if p < 64:
-            seed.append(x[p], y[p])
     st = free.storage
     assert not st.kcol_set.any() and not st.vcol_set.any() and not st.field_frozen()
-    for name in st.block_names():
-        a, b = getattr(st, name), getattr(seed.storage, name)
-        np.testing.assert_array_equal(a[:, :64], b[:, :64], err_msg=name)
+    assert st.b8.tolist() == [n - Q8_WINDOW] * nkv
+    for side, rows, rot, group, quantized in (("k", x, True, KV_K_GROUP, mode.quant_k),
+                                              ("v", y, False, hd, mode.quant_v)):
+        if not quantized:
+            assert getattr(st, "th" + side) is None
+            continue
+        for h in range(nkv):
+            r = fwht(rows[:, h]) if rot else rows[:, h]
+            half = r.astype(np.float16)
+            np.testing.assert_array_equal(getattr(st, "th" + side)[h], half[n - Q8_WINDOW:])
+            q, sc = quantize_rows(half[: n - Q8_WINDOW].astype(np.float32), None, group)
+            np.testing.assert_array_equal(getattr(st, side + "q")[h, : n - Q8_WINDOW], q)
+            np.testing.assert_array_equal(getattr(st, side + "s")[h, : n - Q8_WINDOW].reshape(sc.shape), sc)
     assert free.trim_window(16, 0, 1) > 0, "no field to wait for: the trim runs"

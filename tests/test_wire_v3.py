@@ -24,7 +24,7 @@ from hypothesis import strategies as hs
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.cli import main
-from kvreg.modes import KV_COL_WARMUP, Q4_SINK_ROWS
+from kvreg.modes import KV_COL_WARMUP, Q4_SINK_ROWS, Q8_WINDOW
 from kvreg.wire import (
     DTYPE_CODES, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer, inspect,
 )
@@ -481,10 +481,14 @@ def test_v3_layout_byte_by_byte():
     def entry(name, code, rc, dims):
         return bytes([len(name)]) + name.encode() + bytes([code, rc, len(dims)]) + u32(*dims)
     want = (b"CMFS" + u32(3) + struct.pack("<Q", 0xABC) + u32(7) + bytes([0, 0]) + b"\0\0" + struct.pack("<Q", 2)
-            + u32(3) + b"q8v" + u32(2, 1, 4, 1, 0, 2, 4) + np.float32([0.25, 0.75]).tobytes()
+            + u32(3) + b"q8v" + u32(2, 1, 4, 1, 0, 2, 6) + np.float32([0.25, 0.75]).tobytes()
             + u32(2) + u32(1)   # lens, xlen
             + entry("k", 1, 0, [4]) + entry("vq", 3, 0, [4]) + entry("vs", 1, 0, []) + entry("xv", 1, 1, [4])
-            + st.k[0, :2].tobytes() + st.vq[0, :2].tobytes() + st.vs[0, :2].tobytes() + st.xv[0, :1].tobytes())
+            + entry("b8", 9, 2, []) + entry("thv", 2, 2, [Q8_WINDOW, 4])
+            + st.k[0, :2].tobytes() + st.vq[0, :2].tobytes() + st.vs[0, :2].tobytes() + st.xv[0, :1].tobytes()
+            + st.b8.astype("<i8").tobytes() + st.thv[0].tobytes())
+    # both rows are still in q8v's float16 window: their int8 slots are zero
+    assert not st.vq[0, :2].any() and st.b8.tolist() == [0]
     assert c.export_wire() == want
     assert [d.str for d in (DTYPE_CODES[1], DTYPE_CODES[2], DTYPE_CODES[3], DTYPE_CODES[6])] == \
         ["<f4", "<f2", "|i1", "<u2"]

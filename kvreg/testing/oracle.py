@@ -29,11 +29,21 @@ __all__ = [
 ]
 
 
-def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int, exact, xlen) -> np.ndarray:
+def _rows64(f32, q, s, col, col_set, g: int, n: int, group: int, exact, xlen, window=None) -> np.ndarray:
     """Rows ``[0, n)`` of KV head ``g`` as float64 ``[n, hd]``: the f32 (or
     f16/bf16) block when stored, else ``q * scale(group of d) * field`` in float64 (the oracle
     dequantizes so that it checks the kernel's math, not the quantization),
     the exact rows ``x * field``."""
+    if window is not None and window[0] is not None:
+        # q8's float16 window: rows [b8, n) are not integer yet. Exact rows win.
+        th, b8 = window
+        b8 = min(int(b8[g]), n)
+        out = _rows64(f32, q, s, col, col_set, g, n, group, exact, xlen)
+        out[b8:n] = th[g, : n - b8].astype(np.float64)
+        xl = min(int(xlen[g]), n)
+        if xl:
+            out[:xl] = exact[g, :xl]
+        return out
     if f32 is not None:
         rows = f32[g, :n]
         if rows.dtype == np.uint16:  # bfloat16 bit patterns: the top half of a float32
@@ -61,7 +71,7 @@ def _hadamard64(hd: int) -> np.ndarray:
 def _tiered64(st, side: str, g: int, n: int) -> np.ndarray:
     """q4 rows in their tiers' float32 values, rotated back in float64."""
     rows = np.array(st.attended_rows(side, g, 0, n), dtype=np.float64)
-    return rows @ _hadamard64(st.head_dim) if st.rotated else rows
+    return rows @ _hadamard64(st.head_dim) if (st.rot_k if side == "k" else st.rot_v) else rows
 
 
 def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
@@ -69,7 +79,9 @@ def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
     n = int(st.lens[g]) if n is None else n
     if st.mode.tiered:
         return _tiered64(st, "k", g, n)
-    return _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP, st.xk, st.xlen)
+    rows = _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP, st.xk, st.xlen,
+                   (st.thk, st.b8) if st.window else None)
+    return rows @ _hadamard64(st.head_dim) if st.rot_k else rows
 
 
 def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
@@ -77,7 +89,8 @@ def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     n = int(st.lens[g]) if n is None else n
     if st.mode.tiered:
         return _tiered64(st, "v", g, n)
-    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen)
+    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen,
+                   (st.thv, st.b8) if st.window else None)
 
 
 def _softmax_row(scores: list[float], sink: float | None) -> list[float]:

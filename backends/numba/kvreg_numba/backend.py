@@ -82,7 +82,7 @@ class NumbaBackend(ReferenceBackend):
         return f"numba {numba.__version__} on cpu ({n} threads: kvreg.get_num_threads())"
 
     def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
+        if st.window:  # q4 tiers, q8 float16 windows: the reference kernel reads them
             return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
         if st.cap == 0 or int(st.lens[g]) == 0:
@@ -93,7 +93,7 @@ class NumbaBackend(ReferenceBackend):
         )
 
     def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:
+        if st.window:
             return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if st.cap == 0:
             return np.zeros_like(q)

@@ -115,7 +115,7 @@ class OpenCLBackend(ReferenceBackend):
 
     # -- kernels ------------------------------------------------------------
     def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
+        if st.window:  # q4 tiers, q8 float16 windows: the reference kernel reads them
             return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
         n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), int(upto))
@@ -127,7 +127,7 @@ class OpenCLBackend(ReferenceBackend):
         return out
 
     def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:
+        if st.window:
             return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if self._empty(st):
             return np.zeros_like(q, dtype=np.float32)
