@@ -96,6 +96,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._linear_wire_allowed = True
         self._kv_amax = [0.0, 0.0]
         self._kv_amax_rows = 0
+        #: The rows of the last extend under a float16 window, float32 head-
+        #: major, with the storage state they belong to: attend_chunk reads
+        #: them instead of their stored form (see attend_chunk).
+        self._fresh = None
         # Rows scanned per head: a head that was dead for earlier appends
         # lags behind the longest, and its new rows sit below that mark.
         self._kv_amax_head = np.zeros(self.num_kv_heads, dtype=np.int64)
@@ -303,6 +307,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                                      f"{KV_COL_WARMUP} rows, would overflow to inf)")
         if mode.tiered:
             self._store_tiered(k, v, heads)
+            self._remember_fresh(k, v, heads)
             return
         elif mode.half:
             lim = HALF_OVERFLOW[mode.value]
@@ -313,6 +318,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 if ((xa >= lim) & np.isfinite(xa)).any():
                     raise ShapeError(f"{name} has finite values of magnitude >= {float(lim):.6g}, which "
                                      f"{mode.value} storage would round to inf: use f32 (or bf16) storage")
+        self._fresh = None
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
@@ -325,6 +331,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                     seg = min(seg, max(KV_COL_WARMUP - self._seq_len, 1))
             self._store(k[done:done + seg], v[done:done + seg], heads)
             done += seg
+        self._remember_fresh(k, v, heads)
+
+    def _remember_fresh(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
+        """Keep a chunk's float32 rows for the attend_chunk that follows it
+        (windowed modes, every head alive and level; a copy, dropped at the
+        next append)."""
+        st = self._st
+        if st.window and k.shape[0] > 1 and heads.size == self.num_kv_heads and (st.lens == st.lens[0]).all():
+            self._fresh = (st.generation, st.edits, int(st.lens[0]),
+                           np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
 
     def _store(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
         """Write rows ``[n, nkv, hd]`` of the alive ``heads`` (quantized per mode)."""
@@ -513,7 +529,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         the masked column sums. Summation order differs from the per-row path
         (tolerance class). On a q8 layer the key/value range the chunk reads
         is dequantized once per call (the field and scales applied) and the
-        same kernel runs on it. Returns ``[b, num_heads, hd]``.
+        same kernel runs on it. Under a float16 window (q8, q8k, q8v, q4), the
+        rows of the extend that appended the chunk, when nothing changed the
+        layer since, are read as that extend received them (float32): the
+        chunk's rows are all the newest, which the window keeps near-exact.
+        Returns ``[b, num_heads, hd]``.
         """
         b = V.positive_int("b", b)
         s0 = V.nonneg_int("s0", s0)
@@ -536,6 +556,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
         view = self._dequantized_view(lo, n)
+        f = self._fresh
+        st = self._st
+        if f is not None and (f[0], f[1], f[2]) == (st.generation, st.edits, n):
+            # The chunk's own rows as it handed them over (vLLM's prefill, too,
+            # attends the fresh K/V and quantizes them for the cache): under a
+            # float16 window the newest rows are near-exact, and a prefill
+            # chunk's rows are all the newest.
+            a = max(lo, n - f[3].shape[1])
+            view.k[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
+            view.v[:, a - lo: n - lo] = f[4][:, a - (n - f[4].shape[1]):]
         return self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
                                          imp=self._st.imp[lo:])
 

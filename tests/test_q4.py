@@ -118,3 +118,28 @@ def test_eviction_keeps_each_row_in_its_tier():
     after = c.storage.attended_rows("k", 0, 0, 150)
     assert np.array_equal(after[Q4_SINK_ROWS:], before[0][150 + Q4_SINK_ROWS:]) or \
         np.array_equal(after, before[0][150:])
+
+
+@pytest.mark.parametrize("mode", ["q8", "q8k", "q4"])
+def test_a_prefill_chunk_attends_its_own_rows_as_handed_over(mode):
+    nkv, hd, s0, b = 2, 64, 150, 40
+    k, v = rows(s0 + b, nkv, hd, 5), rows(s0 + b, nkv, hd, 6)
+    c = LayerKvCache(nkv, hd, mode, "reference")
+    c.extend(k[:s0], v[:s0])
+    c.extend(k[s0:], v[s0:])
+    # what the older rows hold, back in the caller's basis
+    st = c.storage
+    back = {s: (lambda x, r=getattr(st, "rot_" + s): fwht(x) if r else x) for s in "kv"}
+    old_k = np.stack([back["k"](st.attended_rows("k", h, 0, s0)) for h in range(nkv)], 1)
+    old_v = np.stack([back["v"](st.attended_rows("v", h, 0, s0)) for h in range(nkv)], 1)
+    f = LayerKvCache(nkv, hd, "f32", "reference")
+    f.extend(np.concatenate([old_k, k[s0:]]), np.concatenate([old_v, v[s0:]]))
+    q = rows(b, 3 * nkv, hd, 7)
+    got = c.attend_chunk(q, b, s0, 3)
+    want = f.attend_chunk(q, b, s0, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # once the layer changed, the chunk reads the stored forms again
+    c.truncate_last(1)
+    c.append(k[-1], v[-1])
+    stale = c.attend_chunk(q, b, s0, 3)
+    assert np.abs(stale - want).max() > 1e-4
