@@ -63,9 +63,10 @@ _KV_MODE_DESCRIPTIONS = {
     "f32": "float32 K and V (exact; kvreg eval's reference)",
     "f16": "IEEE binary16 K and V, round to nearest even",
     "bf16": "bfloat16 K and V, round to nearest even",
-    "q8": "int8 K (scale per 32 channels) and V (scale per row), no field",
-    "q8k": "int8 K, float32 V",
-    "q8v": "float32 K, int8 V",
+    "q8": "int8 K (rotated, scale per 32 channels) and V (scale per row); 8 newest rows float16",
+    "q8k": "q8's K, float32 V",
+    "q8v": "float32 K, q8's V",
+    "q4": "int4 rows (rotated); the 112 before the 16 newest int8, those float16",
     "q8_2f": "the seed's q8: int8 K and V over a per-channel field frozen at 64 rows",
     "q8k_2f": "the seed's q8 on K only (2f field), float32 V",
     "q8v_2f": "the seed's q8 on V only (2f field), float32 K",
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--tokens", type=int, default=32)
     dp.add_argument("--prompt", type=int, default=256)
     dp.add_argument("--chunk", type=int, default=64)
-    dp.add_argument("--kv", default=None, help="KV mode (f32, q8, q8k, q8v)")
+    dp.add_argument("--kv", default=None, help="KV mode (a KVREG_KV value: f32, f16, bf16, q8, q4, ...)")
     dp.add_argument("--budget", type=int, default=None, help="Born eviction at this many rows")
     dp.add_argument("--o1", action="store_true", help="seal every layer with the O(1) Nyström state")
     dp.add_argument("--handoff", action="store_true", help="prefill in one process, decode in another")

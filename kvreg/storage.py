@@ -269,6 +269,8 @@ class LayerStorage:
             np.minimum(self.b8, self.lens, out=self.b8)
         if self.mode.tiered:
             np.minimum(self.b4, self.lens, out=self.b4)
+        if self.window:
+            self._zero_window_tails()
         self.seq_len = max(self.seq_len - d, 0)
         self.edits += 1
         self._floors.append((self.edits, self.lens.copy()))
@@ -282,6 +284,17 @@ class LayerStorage:
         for h in range(self.num_kv_heads):
             for name in self.block_names():
                 getattr(self, name)[h, int(new_lens[h]):int(self.lens[h])] = 0
+
+    def _zero_window_tails(self) -> None:
+        """Zero the window's (and q4's int8 tier's) slots past their rows after
+        a shrink, for the same reason."""
+        for h in range(self.num_kv_heads):
+            for t in (self.thk, self.thv):
+                if t is not None:
+                    t[h, int(self.lens[h] - self.b8[h]):] = 0
+            if self.mode.tiered:
+                for name in ("t8k", "t8ks", "t8v", "t8vs"):
+                    getattr(self, name)[h, int(self.b8[h] - self.b4[h]):] = 0
 
     def edit_floor(self, since: int) -> np.ndarray | None:
         """Per-head minimum row count left by truncations after edit ``since``.
@@ -319,6 +332,8 @@ class LayerStorage:
                 self._drop_front_tiers(h, min(d, int(self.lens[h])))
         self._zero_rows_past(np.maximum(self.lens - d, 0))
         self.lens = np.maximum(self.lens - d, 0)
+        if self.window:
+            self._zero_window_tails()
         di = min(d, self.seq_len)
         self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
         self.seq_len -= di
@@ -351,6 +366,8 @@ class LayerStorage:
         lens = np.array([int(np.count_nonzero(kept < n)) for n in self.lens], dtype=np.int64)
         self._zero_rows_past(lens)
         self.lens = lens
+        if self.window:
+            self._zero_window_tails()
         imp = self._imp[kept].copy()
         self._imp[: kept.size] = imp
         self.seq_len = int(kept.size)
@@ -358,12 +375,15 @@ class LayerStorage:
 
     def clear(self) -> None:
         """Forget every row and the q8 field; capacity is kept for reuse."""
+        self._zero_rows_past(np.zeros_like(self.lens))
         self.lens[:] = 0
         self.xlen[:] = 0
         if self.window:
             self.b8[:] = 0
         if self.mode.tiered:
             self.b4[:] = 0
+        if self.window:
+            self._zero_window_tails()
         self.seq_len = 0
         self.kcol_set[:] = False
         self.vcol_set[:] = False

@@ -143,3 +143,23 @@ def test_a_prefill_chunk_attends_its_own_rows_as_handed_over(mode):
     c.append(k[-1], v[-1])
     stale = c.attend_chunk(q, b, s0, 3)
     assert np.abs(stale - want).max() > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["q8", "q4"])
+def test_equal_layers_export_equal_bytes_whatever_their_history(mode):
+    # a rollback, an eviction and a clear leave no stale bytes behind: the
+    # layer then exports what a layer built directly from its rows exports
+    nkv, hd = 2, 64
+    k, v = rows(300, nkv, hd, 11), rows(300, nkv, hd, 12)
+    a = LayerKvCache(nkv, hd, mode, "reference")
+    a.extend(k[:250], v[:250])
+    a.clear()
+    a.extend(k[:200], v[:200])
+    a.truncate_last(60)
+    b = LayerKvCache(nkv, hd, mode, "reference")
+    b.extend(k[:200], v[:200])
+    b.truncate_last(60)
+    assert a.export_wire() == b.export_wire()
+    a.append(k[200], v[200])
+    b.append(k[200], v[200])
+    assert a.export_wire() == b.export_wire()
