@@ -2,7 +2,8 @@
 
 Native kernels: ``attend_group``, ``attend_layer`` (one parallel kernel for
 every KV group: the decode fast path; f16/bf16 blocks read as stored, 2
-bytes an element, widened in registers), ``attend_chunk`` (BLAS GEMMs with a
+bytes an element, widened in registers; q8's float16 window rows read the
+same way, from ``thk``/``thv`` as stored), ``attend_chunk`` (BLAS GEMMs with a
 fused Numba masked softmax), ``quantize_rows`` and ``gather_rows`` (exact
 class), ``bounded_attend`` (one parallel kernel, :mod:`kvreg_numba.ring`) and
 the Nyström ``nystrom_prefill``/``nystrom_absorb``/``nystrom_step`` (serial
@@ -53,6 +54,10 @@ def _storage_args(st) -> dict:
         xk=st.xk if quant_k else None,
         xv=st.xv if quant_v else None,
         xlen=st.xlen if st.exact_cap else None,
+        # q8's float16 windows (q8, q8k, q8v): passed as stored, viewed as int16
+        thk=st.thk if st.window else None,
+        thv=st.thv if st.window else None,
+        b8=st.b8 if st.window else None,
     )
 
 
@@ -82,7 +87,7 @@ class NumbaBackend(ReferenceBackend):
         return f"numba {numba.__version__} on cpu ({n} threads: kvreg.get_num_threads())"
 
     def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.window:  # q4 tiers, q8 float16 windows: the reference kernel reads them
+        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
             return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
         if st.cap == 0 or int(st.lens[g]) == 0:
@@ -93,7 +98,7 @@ class NumbaBackend(ReferenceBackend):
         )
 
     def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.window:
+        if st.mode.tiered:
             return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if st.cap == 0:
             return np.zeros_like(q)

@@ -699,7 +699,8 @@ def _add_probs(dst, src, cf):
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
-                   p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out, xk, xv, xl):
+                   p0, nr, scale, softcap, E, kbuf, vbuf, m_out, l_out, acc_out, xk, xv, xl,
+                   thk, thv, wb):
     """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
     heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
     in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8
@@ -707,15 +708,27 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     scored four heads per loaded row; q8 V rows are read as int8 by
     :func:`_accumulate_q8` (``vbuf`` is unused, empty). Rows ``< xl`` are the
     head's exact rows: their float32 copies ``xk``/``xv`` (field space) stand
-    in for the int8 ones."""
+    in for the int8 ones. Rows ``>= wb`` of a q8 side are its float16 window
+    (``thk``/``thv [nkv, window, hd]`` as int16 bits, row ``p`` at ``p - wb``),
+    widened in registers; the exact rows still take precedence. A head with
+    no window passes ``wb >= n``."""
     hd = qg.shape[1]
     if kquant:
         for s0 in range(0, nr, SUB_ROWS):
             m = min(SUB_ROWS, nr - s0)
-            _dequant_k_rows(kq, ks, g, p0 + s0, m, kbuf)
-            for r in range(max(min(m, xl - p0 - s0), 0)):
+            pa = p0 + s0
+            # rows [pa, pa+mq) are int8; [pa+mq, pa+m) the float16 window
+            # (rows >= wb), widened exactly as they are read
+            mq = max(min(m, wb - pa), 0)
+            _dequant_k_rows(kq, ks, g, pa, mq, kbuf)
+            for r in range(mq, m):
+                src = thk[g, pa + r - wb]
+                dst = kbuf[r]
                 for d in range(hd):
-                    kbuf[r, d] = xk[g, p0 + s0 + r, d]
+                    dst[d] = _widen(src[d])
+            for r in range(max(min(m, xl - pa), 0)):  # exact rows take precedence
+                for d in range(hd):
+                    kbuf[r, d] = xk[g, pa + r, d]
             _scores_h4(qg, row0, nheads, kbuf, m, scale, E, s0)
     else:
         _scores(qg, row0, nheads, kf[g, p0:p0 + nr], nr, scale, E, 0)
@@ -737,10 +750,14 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
         for d in range(hd):
             acc_out[h, d] = _ZERO
     if vquant:
+        # in row order: exact rows [0, nx), int8 [nx, nw), float16 window [nw, nr)
         nx = max(min(nr, xl - p0), 0)
+        nw = max(min(nr, wb - p0), nx)
         if nx > 0:
             _accumulate(E, nheads, 0, xv[g, p0:p0 + nx], nx, acc_out)
-        _accumulate_q8(E, nheads, nx, vq[g, p0 + nx:p0 + nr], nr - nx, acc_out, vs[g], p0 + nx)
+        _accumulate_q8(E, nheads, nx, vq[g, p0 + nx:p0 + nw], nw - nx, acc_out, vs[g], p0 + nx)
+        if nw < nr:
+            _accumulate(E, nheads, nw, thv[g, p0 + nw - wb:p0 + nr - wb], nr - nw, acc_out)
     else:
         _accumulate(E, nheads, 0, vf[g, p0:p0 + nr], nr, acc_out)
 
@@ -783,8 +800,8 @@ def task_grid(spans, block):
 
 @njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
-                  vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, scale, softcap,
-                  sinks, block, imp, out, scratch):
+                  vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
+                  scale, softcap, sinks, block, imp, out, scratch):
     """Decode attention of the KV groups ``gids`` (the layer entry passes all
     of them, the per-group entry one): the only attention routine, so a
     layer call and per-group calls run the same arithmetic.
@@ -793,7 +810,9 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     ``[i*hpk, (i+1)*hpk)``); ``firsts``/``ns``: visible rows ``[first, n)``
     per listed group (already clamped, ``n == 0`` gives zeros); ``sinks``:
     one logit per q row or empty; ``xk``/``xv``/``xlen``: the q8 exact rows
-    (``xlen`` empty = none); ``imp``: accumulated in place over
+    (``xlen`` empty = none); ``thk``/``thv``/``b8``: the q8 float16 windows
+    (int16 bits of ``[nkv, window, hd]``) and their bounds (``b8`` empty =
+    no window: every row of a q8 side is int8); ``imp``: accumulated in place over
     ``[first, min(len(imp), n))``, groups then heads in order.
     ``scratch``: a float32 buffer the kernel may use (see
     :func:`scratch_floats`; a fresh allocation per call would page-fault
@@ -838,9 +857,10 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         kbuf = np.empty((bk, hd), np.float32)
         vbuf = np.empty((bv, hd), np.float32)
         xl = xlen[gids[i]] if xlen.shape[0] > 0 else 0
+        wb = b8[gids[i]] if b8.shape[0] > 0 else ns[i]
         _block_partial(qc, i * hpk, hpk, kf, kq, ks, vf, vq, vs, kquant, vquant,
                        gids[i], p0, nr, scale, softcap, E[t], kbuf, vbuf,
-                       pm[t], pl[t], pacc[t], xk, xv, xl)
+                       pm[t], pl[t], pacc[t], xk, xv, xl, thk, thv, wb)
 
     # Merge the partial states in block order; coef[t, h] turns a block's
     # exp(s - m_block) into the final probability (used for importance).
@@ -1017,6 +1037,7 @@ _EMPTY_F2 = np.empty((0, 0), np.float32)
 _EMPTY_F1 = np.empty(0, np.float32)
 _EMPTY_B1 = np.empty(0, np.bool_)
 _EMPTY_I1 = np.empty(0, np.int64)
+_EMPTY_H3 = np.empty((0, 0, 0), np.int16)
 
 
 def _f3(a):
@@ -1036,13 +1057,31 @@ def kv_block(a):
     return np.ascontiguousarray(a).view(kdt)
 
 
-def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen):
+def window_block(a):
+    """A q8 float16 window (``[nkv, window, hd]`` float16) as the kernels
+    take it: its int16 bits, a view of a C-contiguous array (never a copy of
+    one); None gives an empty block."""
+    if a is None:
+        return _EMPTY_H3
+    a = np.asarray(a)
+    if a.dtype == np.int16:
+        return np.ascontiguousarray(a)
+    if a.dtype != np.float16:
+        raise ValueError(f"a float16 window must be float16 (or its int16 bits), not {a.dtype}")
+    return np.ascontiguousarray(a).view(np.int16)
+
+
+def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen,
+             thk=None, thv=None, b8=None):
     kquant = k is None
     vquant = v is None
     if kquant and kq is None:
         raise ValueError("attend: neither k nor kq given")
     if vquant and vq is None:
         raise ValueError("attend: neither v nor vq given")
+    if b8 is not None and ((kquant and thk is None) or (vquant and thv is None)):
+        # the kernel would index an empty window: refuse before any launch
+        raise ValueError("attend: a window bound b8 needs the float16 window of every q8 side")
     kf, vf = kv_block(k), kv_block(v)
     if not kquant and not vquant and kf.dtype != vf.dtype:
         # one specialization per storage dtype; mixed blocks are no storage mode
@@ -1063,6 +1102,9 @@ def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen)
         _f3(xk),
         _f3(xv),
         _EMPTY_I1 if xlen is None else np.ascontiguousarray(xlen, dtype=np.int64),
+        window_block(thk if kquant and b8 is not None else None),
+        window_block(thv if vquant and b8 is not None else None),
+        _EMPTY_I1 if b8 is None else np.ascontiguousarray(b8, dtype=np.int64),
     )
 
 
@@ -1141,14 +1183,17 @@ def _run(nbytes, *args):
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
                  v=None, vq=None, vs=None, vcol=None, vcol_set=None, xk=None, xv=None,
-                 xlen=None, scale, window=0, softcap=0.0, sinks=None, imp=None, upto=None,
+                 xlen=None, thk=None, thv=None, b8=None, scale, window=0, softcap=0.0, sinks=None, imp=None, upto=None,
                  block=None, out=None):
     """Decode attention of a whole layer in one kernel call.
 
     ``q [nh, hd]``; K as ``k`` (float32, float16 or bfloat16 bits as uint16:
     read as stored, see :func:`kv_block`) or ``kq, ks, kcol, kcol_set`` (q8), V as
     ``v`` or ``vq, vs, vcol, vcol_set``; ``xk, xv, xlen`` the q8 exact rows
-    (see kvreg.storage; None = none); ``window`` 0 = none, else per group
+    (see kvreg.storage; None = none); ``thk, thv, b8`` the float16 windows
+    of the q8 sides (float16 or its int16 bits, read as stored) and their
+    bound per head: rows ``[b8[g], n)`` of a q8 side are window rows
+    ``r - b8[g]`` (None = no window); ``window`` 0 = none, else per group
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
     """
     q = np.ascontiguousarray(q, dtype=np.float32)
@@ -1167,7 +1212,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     n = n.astype(np.int64)
     block = int(block or config.DECODE_BLOCK)
     _run(_rows_bytes(firsts, n, hd, k, v), q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
+                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
     return out
@@ -1175,7 +1220,8 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
 
 def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=None,
                  kcol=None, kcol_set=None, v=None, vq=None, vs=None, vcol=None,
-                 vcol_set=None, xk=None, xv=None, xlen=None, scale, softcap=0.0, sinks=None,
+                 vcol_set=None, xk=None, xv=None, xlen=None, thk=None, thv=None, b8=None,
+                 scale, softcap=0.0, sinks=None,
                  imp=None, block=None, out=None):
     """Decode attention of the heads ``q_group [nheads, hd]`` of KV group
     ``g`` over rows ``[first, min(lens[g], upto))``: the same kernel as
@@ -1190,7 +1236,7 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     ns = np.array([n], np.int64)
     block = int(block or config.DECODE_BLOCK)
     _run(_rows_bytes(firsts, ns, hd, k, v), q_group, nheads, np.array([g], np.int64), firsts, ns,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen),
+                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
                   block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
     return out

@@ -1,5 +1,5 @@
 """Run by test_numba_determinism.py in a subprocess: prints, as JSON, the
-SHA-256 of the bits of attend_layer (F32, q8, f16 and bf16, with importance, window,
+SHA-256 of the bits of attend_layer (F32, q8, q8 with float16 windows, f16 and bf16, with importance, window,
 soft-cap and sinks) and attend_chunk outputs at kvreg thread budgets 1 and 2
 (capped by the process's NUMBA_NUM_THREADS).
 
@@ -62,6 +62,11 @@ def halves(k, v) -> dict:
 def run(which: str) -> dict:
     k, v, q, lens, q8, qc, sinks, hpk = inputs()
     n = k.shape[1]
+    b8 = np.maximum(lens - 8, 0)
+    b8[3] = lens[3] - 2  # a window cut short
+    q8w = dict(q8, thk=np.stack([k[g, b8[g]:b8[g] + 8] for g in range(4)]).astype(np.float16),
+               thv=np.stack([v[g, b8[g]:b8[g] + 8] for g in range(4)]).astype(np.float16), b8=b8,
+               xk=k[:, :1] * 0.5, xv=v[:, :1] * 0.5, xlen=np.ones(4, np.int64))
     res = {}
     for threads in (1, 2):
         kvreg.set_num_threads(threads)
@@ -75,6 +80,12 @@ def run(which: str) -> dict:
         o1 = K.attend_layer(q, lens, scale=0.088, imp=imp, **q8)
         o2 = K.attend_layer(q, lens, scale=0.088, window=2500, softcap=20.0, sinks=sinks, **q8)
         res[f"q8 threads={threads}"] = digest(o1, imp, o2)
+        # q8's float16 windows: each head's newest rows (7 of the short head)
+        # read from thk/thv, the rest int8 (ragged bounds, one exact row)
+        imp = np.zeros(n, np.float32)
+        o1 = K.attend_layer(q, lens, scale=0.088, imp=imp, **q8w)
+        o2 = K.attend_layer(q, lens, scale=0.088, window=2500, softcap=20.0, sinks=sinks, **q8w)
+        res[f"q8w threads={threads}"] = digest(o1, imp, o2)
         for name, (kh, vh) in halves(k, v).items():  # the 2-byte blocks, read as stored
             imp = np.zeros(n, np.float32)
             o1 = K.attend_layer(q, lens, k=kh, v=vh, scale=0.088, imp=imp)

@@ -33,7 +33,7 @@ def test_bits_do_not_depend_on_threads_cache_state_or_call_history(tmp_path):
     warm = probe(tmp_path, "all", 2)
     assert any(tmp_path.rglob("*.nbi")), "the probe did not use the on-disk cache"
     runs = {"cold": cold, "partly warm": partly_warm, "warm": warm}
-    for kernel in ("f32", "q8", "f16", "bf16", "chunk"):
+    for kernel in ("f32", "q8", "q8w", "f16", "bf16", "chunk"):
         seen = {f"{name}, {key}": digest for name, run in runs.items() for key, digest in run.items()
                 if key.startswith(kernel + " ")}
         assert len(set(seen.values())) == 1, f"{kernel}: bits differ between runs: {seen}"
