@@ -1,7 +1,8 @@
 """``OpenCLBackend``: the kvreg kernel surface on an OpenCL device.
 
-Native: ``attend_group``, ``attend_layer`` (every KV mode: F32, F16, BF16,
-Q8, Q8K, Q8V; the 2-byte rows stay 2 bytes on the device), ``attend_chunk``
+Native: ``attend_group``, ``attend_layer`` (every KV mode but q4: F32, F16,
+BF16, Q8, Q8K, Q8V and the 2f freezes; the 2-byte rows and q8's float16
+windows stay 2 bytes on the device), ``attend_chunk``
 (F32 and the q8 modes; the core hands f16/bf16 chunks over as a widened
 F32 view), ``bounded_attend``, ``quantize_rows`` (exact class; only
 on a device with correctly rounded fp32 division, else the reference's) and
@@ -115,7 +116,7 @@ class OpenCLBackend(ReferenceBackend):
 
     # -- kernels ------------------------------------------------------------
     def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.window:  # q4 tiers, q8 float16 windows: the reference kernel reads them
+        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
             return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
         n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), int(upto))
@@ -127,7 +128,7 @@ class OpenCLBackend(ReferenceBackend):
         return out
 
     def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.window:
+        if st.mode.tiered:
             return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if self._empty(st):
             return np.zeros_like(q, dtype=np.float32)

@@ -84,14 +84,18 @@ def _local_size(kernel, dev: DeviceState) -> int:
 def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs: dict, kcol, vcol,
                    nl_buf, fi_buf, *, g0: int, ng: int, cap: int, hd: int, hpk: int, hc: int,
                    br: int, nblk: int, T: int, scale: float, softcap: float, pm, ps, pacc,
-                   scores, sstride: int, want_scores: bool, exact=None, kv_dtype=None) -> None:
+                   scores, sstride: int, want_scores: bool, exact=None, kv_dtype=None,
+                   window=None) -> None:
     """One launch of ``partial_*`` (attend.cl) over row buffers ``bufs``
     (``k``/``kq``/``ks``/``v``/``vq``/``vs`` laid out ``[nkv, cap, ...]``):
     writes the block states ``pm``/``ps``/``pacc`` of every token and head.
     ``kv_dtype``: the element type of ``k``/``v`` (float32 when None; float16
     or uint16 = bfloat16 bits pick the 2-byte kernels).
     ``exact``: ``(xk, xv, xlen, xcap)`` device buffers of the q8 exact rows
-    (``xk``/``xv`` may be None for an unquantized side), or None."""
+    (``xk``/``xv`` may be None for an unquantized side), or None.
+    ``window``: ``(thk, thv, b8, wcap)`` device buffers of the q8 float16
+    windows (binary16 ``[nkv, wcap, hd]``; None for an unquantized side) and
+    their bounds (int32 ``[nkv]``), or None."""
     cl = dev.cl
     d = scratch(dev).dummy
     kern = programs.kernel(prg, partial_variant(quant, kv_dtype))
@@ -105,12 +109,15 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
             "HEADS_PER_WG or LOCAL_SIZE")
     nchunk = -(-hpk // hc)
     xk, xv, xlen, xcap = exact if exact is not None and exact[3] > 0 else (None, None, None, 0)
+    thk, thv, b8, wcap = window if window is not None and window[3] > 0 else (None, None, None, 0)
     kern(
         dev.queue, (nblk * L, ng * nchunk, T), (L, 1, 1),
         q_buf, bufs.get("k", d), bufs.get("kq", d), bufs.get("ks", d), kcol,
         bufs.get("v", d), bufs.get("vq", d), bufs.get("vs", d),
         xk if xk is not None else d, xv if xv is not None else d, xlen if xlen is not None else d,
-        np.int32(xcap), nl_buf, fi_buf,
+        np.int32(xcap),
+        thk if thk is not None else d, thv if thv is not None else d, b8 if b8 is not None else d,
+        np.int32(wcap), nl_buf, fi_buf,
         np.int32(g0), np.int32(ng), np.int32(cap), np.int32(hd),
         np.int32(hpk), np.int32(hc), np.int32(br), np.int32(nblk),
         np.float32(scale), np.float32(softcap),
@@ -184,7 +191,8 @@ def _attend_rows(
                        nl_buf, fi_buf, g0=g0, ng=ng, cap=mirror.cap, hd=hd, hpk=hpk, hc=hc,
                        br=br, nblk=nblk, T=T, scale=scale, softcap=softcap, pm=pm, ps=ps,
                        pacc=pacc, scores=sc_buf, sstride=sstride, want_scores=want_scores,
-                       exact=mirror.exact_args(), kv_dtype=mirror.kv_dtype)
+                       exact=mirror.exact_args(), kv_dtype=mirror.kv_dtype,
+                       window=mirror.window_args())
     has_sinks = sinks is not None
     sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(nq)) if has_sinks else d
     out_buf = sc.get("out", T * nq * hd * 4)

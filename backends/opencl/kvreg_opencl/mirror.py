@@ -31,6 +31,22 @@ sync whose floor reaches below ``xlen`` (truncate + re-append rewrites exact
 rows in place, same generation, same ``xlen``). A decode step past the exact
 range uploads none of them (``exact_uploads``/``exact_bytes_uploaded`` count
 them apart from the row counters).
+
+q8 float16 windows (``window``, ``thk``/``thv [nkv, window, hd]`` float16,
+``b8 [nkv]``; q8, q8k, q8v): each head's newest rows of a quantized side live
+in the window, not in the int8 blocks, and the window is rewritten in place
+on every append (a row leaving it is quantized into its int8 slot then). So:
+
+* the window arrays and ``b8`` (a few KiB) are uploaded whole, as stored
+  (binary16, 2 bytes an element), whenever they may have changed: any change
+  of (generation, edits, lens, b8) since the last sync
+  (``window_uploads``/``window_bytes_uploaded``);
+* the int8 blocks of a windowed side (``kq``/``ks``, ``vq``/``vs``) are
+  uploaded over ``[min(valid, b8 last synced), b8)``: the rows that left the
+  window since (their slots were written after the rows were counted), never
+  the unwritten slots of the window rows; an unquantized side's block goes by
+  the rows as before. A decode step past the window uploads one int8 row per
+  head (the one that left) and the window.
 """
 
 from __future__ import annotations
@@ -79,6 +95,16 @@ class DeviceMirror:
         self.xlen = np.zeros(0, dtype=np.int64)
         self.exact_uploads = 0
         self.exact_bytes_uploaded = 0
+        # q8 float16 windows: device copies of thk/thv/b8 (None / 0 when off)
+        self.wcap = 0
+        self.thk = None
+        self.thv = None
+        self.b8_buf = None
+        self.b8 = np.zeros(0, dtype=np.int64)  # the bound the int8 rows are synced to
+        self.window_names: tuple[str, ...] = ()  # int8 arrays whose tail is the window
+        self._window_key = None
+        self.window_uploads = 0
+        self.window_bytes_uploaded = 0
 
     # -- helpers -----------------------------------------------------------
     @property
@@ -142,10 +168,14 @@ class DeviceMirror:
             buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
             setattr(self, attr, buf)
 
-    def _upload_rows(self, storage, lo: np.ndarray, hi: np.ndarray):
-        """Copy rows [lo[h], hi[h]) of every head; consecutive heads with the
-        same range go in one rectangular copy."""
+    def _upload_rows(self, storage, lo: np.ndarray, hi: np.ndarray, names=None):
+        """Copy rows [lo[h], hi[h]) of every head of the row arrays ``names``
+        (None: all); consecutive heads with the same range go in one
+        rectangular copy."""
         cl = self.dev.cl
+        shapes = {n: self.row_shapes[n] for n in (self.row_shapes if names is None else names)}
+        if not shapes:
+            return 0
         h = 0
         moved = 0
         while h < self.nkv:
@@ -156,7 +186,7 @@ class DeviceMirror:
             while e < self.nkv and lo[e] == lo[h] and hi[e] == hi[h]:
                 e += 1
             a, b = int(lo[h]), int(hi[h])
-            for name, (rshape, dt) in self.row_shapes.items():
+            for name, (rshape, dt) in shapes.items():
                 host = np.asarray(getattr(storage, name))
                 rb = int(np.prod(rshape, dtype=np.int64)) * dt.itemsize
                 if host.flags.c_contiguous:
@@ -184,6 +214,52 @@ class DeviceMirror:
         if not self.xcap:
             return None
         return self.xk, self.xv, self.xlen_buf, self.xcap
+
+    def window_args(self):
+        """``(thk, thv, b8, wcap)`` for the attend launch (None when off)."""
+        if not self.wcap:
+            return None
+        return self.thk, self.thv, self.b8_buf, self.wcap
+
+    @staticmethod
+    def _window_layout(storage, nkv: int, hd: int):
+        """``(wcap, thk, thv, b8)`` of the storage's q8 float16 windows; wcap 0
+        when off (q4's tiers are not mirrored: the backend hands them to the
+        reference kernels)."""
+        wcap = int(getattr(storage, "window", 0) or 0)
+        mode = getattr(storage, "mode", None)
+        thk, thv = _present(storage, "thk"), _present(storage, "thv")
+        if wcap <= 0 or getattr(mode, "tiered", False) or (thk is None and thv is None):
+            return 0, None, None, None
+        for th in (thk, thv):
+            if th is not None and (th.shape != (nkv, wcap, hd) or th.dtype != np.float16):
+                raise ShapeError(f"kvreg-opencl: a float16 window is {th.dtype} {th.shape}, "
+                                 f"expected float16 {(nkv, wcap, hd)}")
+        return wcap, thk, thv, np.asarray(storage.b8, dtype=np.int64).reshape(nkv)
+
+    def _upload_window(self, wcap: int, thk, thv, b8) -> None:
+        cl = self.dev.cl
+        if not wcap:
+            self.wcap, self.thk, self.thv, self.b8_buf = 0, None, None, None
+            return
+        nbytes = self.nkv * wcap * self.hd * 2
+        for attr, host in (("thk", thk), ("thv", thv)):
+            if host is None:
+                setattr(self, attr, None)
+                continue
+            buf = getattr(self, attr)
+            if buf is None or buf.size != max(2, nbytes) or wcap != self.wcap:
+                buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY, max(2, nbytes))
+                setattr(self, attr, buf)
+            cl.enqueue_copy(self.dev.queue, buf, np.ascontiguousarray(host))  # binary16, as stored
+            self.window_bytes_uploaded += nbytes
+        b32 = np.ascontiguousarray(b8, dtype=np.int32)
+        if self.b8_buf is None or self.b8_buf.size != max(4, b32.nbytes):
+            self.b8_buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY, max(4, b32.nbytes))
+        cl.enqueue_copy(self.dev.queue, self.b8_buf, b32)
+        self.window_bytes_uploaded += b32.nbytes
+        self.wcap = wcap
+        self.window_uploads += 1
 
     @staticmethod
     def _exact_layout(storage, nkv: int, hd: int):
@@ -270,6 +346,12 @@ class DeviceMirror:
             or (xv is None) != (self.xv is None)
             or (xcap and edits != self.edits and (floor is None or bool(np.any(floor < xlen))))
         )
+        wcap, thk, thv, b8 = self._window_layout(storage, nkv, hd)
+        # the int8 arrays of a windowed side hold rows [0, b8) only
+        wnames = tuple(n for n, th in (("kq", thk), ("ks", thk), ("vq", thv), ("vs", thv))
+                       if th is not None and n in layout)
+        plain = tuple(n for n in layout if n not in wnames)
+        b8 = lens if b8 is None else b8
         if full:
             self.row_shapes = layout
             self.nkv, self.hd = nkv, hd
@@ -277,7 +359,9 @@ class DeviceMirror:
             cap = max(config.MIRROR_MIN_ROWS, 1 << max(0, need - 1).bit_length())
             self._alloc(cap, None)
             self._upload_fields(storage)
-            self._upload_rows(storage, np.zeros(nkv, dtype=np.int64), lens)
+            zero = np.zeros(nkv, dtype=np.int64)
+            self._upload_rows(storage, zero, lens, plain)
+            self._upload_rows(storage, zero, b8, wnames)
             self.full_reuploads += 1
         else:
             if need > self.cap:
@@ -285,10 +369,22 @@ class DeviceMirror:
                 while cap < need:
                     cap *= 2
                 self._alloc(cap, valid)
-            if self._upload_rows(storage, valid, lens):
+            moved = self._upload_rows(storage, valid, lens, plain)
+            if wnames:
+                # rows that left the window since the last sync (and any the
+                # valid bound says were rewritten) get their int8 form now
+                wvalid = np.minimum(valid, self.b8) if self.b8.shape == valid.shape else np.zeros_like(valid)
+                moved += self._upload_rows(storage, wvalid, b8, wnames)
+            if moved:
                 self.partial_uploads += 1
         if redo_exact:
             self._upload_exact(xcap, xk, xv, xlen)
+        wkey = (gen, edits, lens.tobytes(), None if not wcap else np.asarray(b8).tobytes())
+        if full or wcap != self.wcap or wnames != self.window_names or wkey != self._window_key:
+            self._upload_window(wcap, thk, thv, b8)
+        self._window_key = wkey
+        self.window_names = wnames
+        self.b8 = np.array(b8, dtype=np.int64)
         self.generation = gen
         self.edits = edits
         self.field_state = fstate
@@ -303,4 +399,6 @@ class DeviceMirror:
             "syncs": self.syncs,
             "exact_uploads": self.exact_uploads,
             "exact_bytes_uploaded": self.exact_bytes_uploaded,
+            "window_uploads": self.window_uploads,
+            "window_bytes_uploaded": self.window_bytes_uploaded,
         }

@@ -19,6 +19,12 @@
  * their int8 copies.  Whether a row is exact depends on its index only, so
  * the invariants above still hold.
  *
+ * q8 float16 windows (q8, q8k, q8v: wcap > 0): rows [b8[g], n) of a
+ * quantized side are read from thk / thv (binary16, as stored: vload_half,
+ * row p at p - b8[g] of head g's window) instead of their int8 slots (never
+ * written while a row is in the window); exact rows still take precedence.
+ * A window row is a plain dot (K) or a weight-1 row (V), as an f16 row.
+ *
  * 2-byte rows (f16 / bf16 storage, the KH argument of partial_body): the
  * mirror holds K and V as stored, 2 bytes an element, and the `k` / `v`
  * buffers are read through kv_load8 / kv_load1: IEEE binary16 with
@@ -47,6 +53,10 @@
     __global const float *xv,       /* [nkv, xcap, hd] exact V rows (q8)  */ \
     __global const int *xlen,       /* [nkv] exact rows per head          */ \
     const int xcap,                 /* 0: no exact rows                   */ \
+    __global const float *thk,      /* [nkv, wcap, hd] binary16 K window  */ \
+    __global const float *thv,      /* [nkv, wcap, hd] binary16 V window  */ \
+    __global const int *b8,         /* [nkv] first window row per head    */ \
+    const int wcap,                 /* 0: no float16 window               */ \
     __global const int *nlim,       /* [T, ng] rows visible to token t    */ \
     __global const int *firsts,     /* [T, ng] first visible row          */ \
     const int g0, const int ng, const int cap, const int hd,                 \
@@ -62,7 +72,7 @@
     __local float *mloc,            /* [hc]                               */ \
     __local float *vloc             /* [R * hc * hd] value-pass lanes     */
 
-#define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, nlim, firsts, g0, ng, cap, hd,  \
+#define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, thk, thv, b8, wcap, nlim, firsts, g0, ng, cap, hd,  \
     hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
     want_scores, qloc, sloc, mloc, vloc
 
@@ -179,6 +189,9 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     const int xl = (xcap > 0) ? min(xlen[g], xcap) : 0;
     const int xr = clamp(xl - row0, 0, rows);
     const size_t xrow0 = (size_t)g * xcap + row0;   /* exact row of r = 0 */
+    /* rows [wr, rows) of this block are float16 window rows (q8 sides) */
+    const int wr = (wcap > 0) ? clamp(b8[g] - row0, xr, rows) : rows;
+    const size_t wrow0 = (size_t)g * wcap + row0 - (wcap > 0 ? b8[g] : 0);  /* window row of r = 0 */
 
     for (int i = l; i < hcnt * hd; i += L) {
         float x = q[((size_t)t * nq + qh0) * hd + i];
@@ -193,8 +206,10 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
         const size_t p = (size_t)g * cap + row0 + r;
         float sc[KVREG_HC];
         const int kx = KQ && r < xr;      /* an exact K row: f32 path */
+        const int kw = KQ && r >= wr;     /* a float16 window K row: f16 path */
+        const int k8 = KQ && !kx && !kw;  /* an int8 K row */
         __global const float *kr32 = kx ? xk + (xrow0 + r) * hd : (KH == KVREG_F32 ? k + p * hd : k);
-        if (KQ && !kx && (hd % KVREG_K_GROUP) == 0) {
+        if (k8 && (hd % KVREG_K_GROUP) == 0) {
             /* each 32-channel group converted once for every head; per head
              * the same operations as score_q8 */
             __global const char *kr = kq + p * hd;
@@ -218,14 +233,15 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
                 }
             }
             for (int h = 0; h < KVREG_HC; ++h) sc[h] = dot[h];
-        } else if (KQ && !kx) {
+        } else if (k8) {
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
         } else if ((hd & 7) == 0) {
-            /* f32 / 2-byte K row, or a q8 side's exact float32 row */
-            __global const float *kb = kx ? kr32 : k;
-            const size_t koff = kx ? 0 : p * hd;
-            const int kh = kx ? KVREG_F32 : KH;
+            /* f32 / 2-byte K row, a q8 side's exact float32 row or its
+             * float16 window row */
+            __global const float *kb = kx ? kr32 : (kw ? thk : k);
+            const size_t koff = kx ? 0 : (kw ? (wrow0 + r) * hd : p * hd);
+            const int kh = kx ? KVREG_F32 : (kw ? KVREG_F16 : KH);
             float8 a[KVREG_HC];
             for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
             for (int d8 = 0; d8 < (hd >> 3); ++d8) {
@@ -234,6 +250,9 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
                     if (h < hcnt) a[h] += vload8(d8, qloc + h * hd) * kk;
             }
             for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
+        } else if (kw) {
+            for (int h = 0; h < KVREG_HC; ++h)
+                if (h < hcnt) sc[h] = score_kv(qloc + h * hd, thk, (wrow0 + r) * hd, hd, KVREG_F16);
         } else if (KH != KVREG_F32) {
             for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_kv(qloc + h * hd, k, p * hd, hd, KH);
@@ -291,17 +310,21 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
             const size_t p = (size_t)g * cap + row0 + r;
             /* an exact V row is a float row with scale 1 */
             const int vx = VQ && r < xr;
-            const int v8 = VQ && !vx;
+            /* a float16 window V row: a weight-1 row read as f16 */
+            const int vw = VQ && r >= wr;
+            const int v8 = VQ && !vx && !vw;
             __global const float *vr32 = vx ? xv + (xrow0 + r) * hd : (KH == KVREG_F32 ? v + p * hd : v);
             float8 vv;
             float ws = 1.0f;
             if (vec == 8) {
                 if (v8)                   vv = convert_float8(vload8(dv, vq + p * hd));
+                else if (vw)              vv = kv_load8(thv, (wrow0 + r) * hd, dv, KVREG_F16);
                 else if (KH != KVREG_F32) vv = kv_load8(v, p * hd, dv, KH);
                 else                      vv = vload8(dv, vr32);
             } else {
                 vv = (float8)(v8 ? (float)vq[p * hd + dv]
-                                 : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv]));
+                                 : (vw ? kv_load1(thv, (wrow0 + r) * hd + dv, KVREG_F16)
+                                       : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv])));
             }
             if (v8) ws = vs[p];
             for (int h = 0; h < KVREG_HC; ++h)

@@ -1,0 +1,165 @@
+"""q8's float16 window on the OpenCL backend: the mirror uploads
+``thk``/``thv`` (binary16, as stored) and ``b8`` whenever they may have
+changed, and the int8 blocks of a windowed side only over the rows that have
+left the window; ``partial_*`` reads rows ``[b8[g], n)`` of a quantized side
+from the window (vload_half). These tests would catch a window regression:
+an answer off the reference's, a stale window or int8 row after decode
+steps and truncations (an incrementally synced mirror must answer the bits
+a fresh one does), a kernel that reads the unwritten int8 slots of the
+window rows, and the edges: a window straddling the exact rows, a window cut
+by a truncation, dead and ragged heads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvreg.layer import LayerKvCache
+from kvreg.reference import ReferenceBackend
+from kvreg_opencl import kernels
+from kvreg_opencl.mirror import DeviceMirror
+
+MODES = ["q8", "q8k", "q8v"]
+REF = ReferenceBackend()
+CALLS = [dict(), dict(window=5), dict(softcap=3.0), dict(sinks=True), dict(window=11, softcap=2.0, sinks=True)]
+
+
+def rows(rng, nkv, hd):
+    return (rng.standard_normal((nkv, hd)).astype(np.float32), rng.standard_normal((nkv, hd)).astype(np.float32))
+
+
+def layer(mode, *, nkv=3, hd=64, n=29, exact=1, seed=0, truncate=0):
+    """A windowed q8 layer on opencl: ragged heads (head 1 misses every
+    third row, head 2 dies after 5 rows), then ``truncate`` rows dropped."""
+    rng = np.random.default_rng(seed)
+    lay = LayerKvCache(nkv, hd, mode, backend="opencl", q8_exact_rows=exact)
+    for i in range(n):
+        alive = np.ones(nkv, bool)
+        alive[1] = i % 3 != 1
+        alive[2] = i < 5
+        lay.append(*rows(rng, nkv, hd), alive=alive)
+    if truncate:
+        lay.truncate_last(truncate)
+    assert lay._st.window == 8
+    return lay
+
+
+def close(a, b):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def fresh(dev, st, q, **kw):
+    m = DeviceMirror(dev)
+    m.sync(st)
+    return kernels.attend_layer(m, q, lens=st.lens, scale=0.2, **kw)[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", ["long", "straddles-exact", "truncated", "hd40"])
+def test_windowed_q8_answers_the_reference(dev, small_blocks, mode, shape):
+    kw = {"long": dict(n=61), "straddles-exact": dict(n=6, exact=3), "truncated": dict(n=40, truncate=13),
+          "hd40": dict(n=37, hd=40)}[shape]
+    lay = layer(mode, **kw)
+    st, be = lay._st, lay.backend
+    if shape == "straddles-exact":
+        assert (st.b8 == 0).all() and (st.xlen == np.minimum(st.lens, 3)).all()
+    if shape == "truncated":
+        assert ((st.lens - st.b8) < 8).any() and (st.lens > 8).any()
+    nkv, hd = st.num_kv_heads, st.head_dim
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((nkv * 3, hd)).astype(np.float32)
+    for call in CALLS:
+        kw = dict(call)
+        if kw.pop("sinks", False):
+            kw["sinks"] = rng.standard_normal(nkv * 3).astype(np.float32)
+        i1 = np.zeros(int(st.lens.max()), np.float32)
+        i2 = np.zeros_like(i1)
+        close(be.attend_layer(q, st, scale=0.125, imp=i1, **kw), REF.attend_layer(q, st, scale=0.125, imp=i2, **kw))
+        close(i1, i2)
+    for g in range(nkv):
+        n = int(st.lens[g])
+        for first, upto in ((0, None), (2, None), (1, max(n - 2, 1))):
+            close(be.attend_group(q[:3], st, g, scale=0.2, first=first, upto=upto, softcap=4.0),
+                  REF.attend_group(q[:3], st, g, scale=0.2, first=first, upto=upto, softcap=4.0))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, mode):
+    """Every step appends (rows leave the window into their int8 slots, the
+    window is rewritten in place), some truncate then re-append: the
+    incrementally synced mirror answers the bits of a fresh mirror, and a
+    decode step past the window uploads one int8 row per head plus the window."""
+    nkv, hd = 2, 32
+    rng = np.random.default_rng(1)
+    lay = LayerKvCache(nkv, hd, mode, backend="opencl")
+    be = lay.backend
+    q = rng.standard_normal((nkv * 2, hd)).astype(np.float32)
+    for step in range(45):
+        lay.append(*rows(rng, nkv, hd))
+        if step in (20, 33):
+            lay.truncate_last(5 if step == 20 else 11)  # cuts the window; 11 reaches the int8 rows
+        st = lay._st
+        got = be.attend_layer(q, st, scale=0.2)
+        assert got.tobytes() == fresh(dev, st, q).tobytes(), step
+        close(got, REF.attend_layer(q, st, scale=0.2))
+    m = be.mirror(st)
+    assert m.full_reuploads == 1
+    c0 = m.counters()
+    lay.append(*rows(rng, nkv, hd))
+    m = be.mirror(lay._st)
+    c1 = m.counters()
+    quant = {"q8": ("kq", "ks", "vq", "vs"), "q8k": ("kq", "ks", "v"), "q8v": ("k", "vq", "vs")}[mode]
+    row = {"kq": hd, "ks": 4, "vq": hd, "vs": 4, "k": 4 * hd, "v": 4 * hd}
+    assert c1["bytes_uploaded"] - c0["bytes_uploaded"] == nkv * sum(row[n] for n in quant)
+    win = nkv * 8 * hd * 2 * (2 if mode == "q8" else 1) + nkv * 4
+    assert c1["window_bytes_uploaded"] - c0["window_bytes_uploaded"] == win
+    # a second sync with nothing changed uploads nothing (per-group calls sync each time)
+    be.attend_group(q[:2], lay._st, 0, scale=0.2)
+    be.attend_group(q[2:], lay._st, 1, scale=0.2)
+    assert be.mirror(lay._st).counters()["window_bytes_uploaded"] == c1["window_bytes_uploaded"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_int8_slots_of_window_rows_are_never_read(dev, small_blocks, mode):
+    lay = layer(mode, n=30, exact=2)
+    st, be = lay._st, lay.backend
+    q = np.random.default_rng(5).standard_normal((9, 64)).astype(np.float32)
+    want = fresh(dev, st, q, softcap=5.0)
+    for h in range(st.num_kv_heads):  # poison the (unwritten) slots of the window rows
+        w = slice(int(st.b8[h]), int(st.lens[h]))
+        if st.thk is not None:
+            st.kq[h, w] = 127
+            st.ks[h, w] = np.float32(1e30)
+        if st.thv is not None:
+            st.vq[h, w] = -127
+            st.vs[h, w] = np.float32(np.nan)
+    assert fresh(dev, st, q, softcap=5.0).tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_window_travels_at_2_bytes_an_element(dev, mode):
+    lay = layer(mode, n=20)
+    st = lay._st
+    m = DeviceMirror(dev)
+    m.sync(st)
+    thk, thv, b8, wcap = m.window_args()
+    assert wcap == 8
+    for buf, th in ((thk, st.thk), (thv, st.thv)):
+        if th is None:
+            assert buf is None
+            continue
+        assert buf.size == th.nbytes
+        back = np.empty_like(th)
+        dev.cl.enqueue_copy(dev.queue, back, buf)
+        assert back.view(np.uint16).tobytes() == th.view(np.uint16).tobytes()
+
+
+def test_q4_still_takes_the_reference(dev):
+    lay = LayerKvCache(2, 32, "q4", backend="opencl")
+    rng = np.random.default_rng(9)
+    for _ in range(30):
+        lay.append(*rows(rng, 2, 32))
+    q = rng.standard_normal((4, 32)).astype(np.float32)
+    a = lay.backend.attend_layer(q, lay._st, scale=0.2)
+    assert a.tobytes() == REF.attend_layer(q, lay._st, scale=0.2).tobytes()
+    assert lay._st not in lay.backend._mirrors
