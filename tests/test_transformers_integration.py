@@ -130,6 +130,35 @@ def test_bf16_and_f16_models_run(lm):
         assert got[0, n_in] == ref[0, n_in], (dtype, tok.decode(got[0]), tok.decode(ref[0]))
 
 
+def test_a_half_model_gets_its_own_dtype_by_default(lm, monkeypatch):
+    import copy
+
+    monkeypatch.delenv("KVREG_KV", raising=False)
+    name, model, tok = lm
+    for dtype, mode in ((torch.float16, kvreg.KvMode.F16), (torch.bfloat16, kvreg.KvMode.BF16),
+                        (torch.float32, kvreg.KvMode.F32)):
+        m = copy.deepcopy(model).to(dtype) if dtype is not torch.float32 else model
+        assert KvregCache(m).mode is mode
+
+
+# Mean KL over 40 teacher-forced tokens after a 48-token prompt: loose bounds
+# a broken format misses by orders of magnitude (kvreg eval measures the
+# real figures, README).
+_MODE_KL_BOUND = {"f16": 1e-4, "bf16": 2e-3, "q8": 1e-2, "q4": 1e-1}
+
+
+def test_every_storage_mode_follows_f32_inside_the_model(lm):
+    name, model, tok = lm
+    ids = tok(PROMPT * 6, return_tensors="pt").input_ids[:, :88]
+    ref = _teacher_forced_logp(model, ids, KvregCache(model, mode="f32"), 48)
+    for mode, bound in _MODE_KL_BOUND.items():
+        cache = KvregCache(model, mode=mode)
+        got = _teacher_forced_logp(model, ids, cache, 48)
+        kl = float((ref.exp() * (ref - got)).sum(-1).mean())
+        assert 0 <= kl < bound, (name, mode, kl)
+        assert all(layer.mode.value == mode for layer in cache._seqs[0].layers)
+
+
 def test_q8_generates_and_holds_quarter_of_f32_bytes(lm):
     name, model, tok = lm
     inputs = tok(PROMPT * 4, return_tensors="pt")
