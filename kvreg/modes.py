@@ -109,7 +109,9 @@ class KvMode(enum.Enum):
 
     @property
     def rotates_v(self) -> bool:
-        return self is KvMode.Q4
+        """Whether V rows are stored rotated (q8, q8v, q4): the output is
+        rotated back, ``H Σ p Hv = Σ p v``."""
+        return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q4)
 
     @property
     def tiered(self) -> bool:

@@ -407,7 +407,7 @@ class LayerStorage:
     # it overflows (an append), never back (a truncation leaves the older
     # rows where they are). Every move requantizes the row from the form it
     # leaves, row by row, so n appends and one extend of n rows store the
-    # same bits. All three hold rotated rows (``rotated``).
+    # same bits. All three hold rotated rows (``rot_k``, ``rot_v``).
 
     def head_block_names(self) -> tuple[str, ...]:
         """Per-head state arrays beyond the row blocks (``[nkv, ...]``): the

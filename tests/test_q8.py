@@ -604,8 +604,8 @@ def test_q8_report_runs_on_real_attention_data():
 def test_field_free_modes_never_freeze_and_store_the_rotated_window_rows(mode):
     """q8/q8k/q8v quantize every row against its own scales only (no field,
     past 64 rows either): the newest Q8_WINDOW rows of a quantized side are
-    float16, every older row the quantizer's int8 of its float16 value, K
-    rows Walsh-Hadamard rotated first."""
+    float16, every older row the quantizer's int8 of its float16 value, rows
+    Walsh-Hadamard rotated first."""
     from kvreg.modes import Q8_WINDOW
     from kvreg.quant import fwht, quantize_rows
 
@@ -620,7 +620,7 @@ def test_field_free_modes_never_freeze_and_store_the_rotated_window_rows(mode):
     assert not st.kcol_set.any() and not st.vcol_set.any() and not st.field_frozen()
     assert st.b8.tolist() == [n - Q8_WINDOW] * nkv
     for side, rows, rot, group, quantized in (("k", x, True, KV_K_GROUP, mode.quant_k),
-                                              ("v", y, False, hd, mode.quant_v)):
+                                              ("v", y, True, hd, mode.quant_v)):
         if not quantized:
             assert getattr(st, "th" + side) is None
             continue

@@ -89,8 +89,9 @@ def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     n = int(st.lens[g]) if n is None else n
     if st.mode.tiered:
         return _tiered64(st, "v", g, n)
-    return _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen,
+    rows = _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen,
                    (st.thv, st.b8) if st.window else None)
+    return rows @ _hadamard64(st.head_dim) if st.rot_v else rows
 
 
 def _softmax_row(scores: list[float], sink: float | None) -> list[float]:
