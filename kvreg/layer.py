@@ -305,11 +305,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                     raise ShapeError(f"{name} has {what}: a {mode.value} layer stores finite rows with |x| <= "
                                      f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
                                      f"{KV_COL_WARMUP} rows, would overflow to inf)")
+        self._fresh = None
         if mode.tiered:
             self._store_tiered(k, v, heads)
             self._remember_fresh(k, v, heads)
             return
-        elif mode.half:
+        if mode.half:
             lim = HALF_OVERFLOW[mode.value]
             for name, x in (("k", k), ("v", v)):
                 xa = np.abs(x[:, heads])
@@ -318,7 +319,6 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 if ((xa >= lim) & np.isfinite(xa)).any():
                     raise ShapeError(f"{name} has finite values of magnitude >= {float(lim):.6g}, which "
                                      f"{mode.value} storage would round to inf: use f32 (or bf16) storage")
-        self._fresh = None
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
@@ -356,7 +356,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             vh = (v if every else v[:, heads]).transpose(1, 0, 2)
             if st.window:
                 # q8: the rows join the float16 window; those it pushes out are
-                # quantized from their float16 value (one call for every head).
+                # quantized from their float16 value (one call per side, every head).
                 kh, vh = _basis(st.rot_k, kh), _basis(st.rot_v, vh)
                 if t:
                     exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
@@ -459,9 +459,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return out[0], probs
 
     def _rotated_attend(self, kernel, q, st, *args, **kwargs) -> np.ndarray:
-        """``kernel(q, st, ...)``, in the rotated basis where the rows are (q8's
-        and q4's K, q4's V): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and ``H Σ p Hv = Σ p v``
-        (H is its own inverse)."""
+        """``kernel(q, st, ...)``, in the rotated basis where the rows are (the
+        quantized sides of q8, q8k, q8v and q4): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and
+        ``H Σ p Hv = Σ p v`` (H is its own inverse)."""
         out = kernel(fwht(q) if st.rot_k else q, st, *args, **kwargs)
         return fwht(out) if st.rot_v else out
 
@@ -517,8 +517,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if V.flag("importance", importance) else None
         return self._rotated_attend(self.backend.attend_layer, q, self._st, scale=scale, window=window,
-                                    softcap=V.softcap(softcap),
-                                         sinks=sinks, imp=imp)
+                                    softcap=V.softcap(softcap), sinks=sinks, imp=imp)
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
                      window: int | None = None) -> np.ndarray:
