@@ -18,7 +18,7 @@ from __future__ import annotations
 #: ``OMP_NUM_THREADS=1 KVREG_THREADS=1 OPENBLAS_NUM_THREADS=1``. ``<stdlib>``
 #: is ``sysconfig.get_paths()["stdlib"]`` (textwrap.py is ``default_texts()[0]``).
 COMMAND = ("kvreg eval --model smollm2-135m --text <stdlib>/textwrap.py --tokens 1024 --prefix 256 "
-           "--configs f16,bf16,q8,q4 --json ev.json; the same with --model gemma3-270m")
+           "--configs f16,bf16,q8,q8v,q4 --json ev.json; the same with --model gemma3-270m")
 
 #: When the newest figures here were measured.
 DATE = "2026-12-01"
@@ -29,11 +29,10 @@ MODELS = ("smollm2-135m", "gemma3-270m")
 KL: dict[str, dict[str, tuple[float, float | None]]] = {
     "f16": {"smollm2-135m": (6.65e-7, 1.0), "gemma3-270m": (8.65e-7, 0.9974)},
     "bf16": {"smollm2-135m": (4.49e-5, 0.9987), "gemma3-270m": (3.37e-5, 0.9922)},
-    # q8 as of f5762da (K rotated, 8 newest rows float16); the field-free q8
-    # before it measured 4.35e-4 (98.8%) / 9.19e-4 (98.2%) at 1.098 / 1.071 B/el.
-    "q8": {"smollm2-135m": (7.52e-5, 0.9922), "gemma3-270m": (2.31e-4, 0.9844)},
+    # q8 and q8v as of 2026-12-01 (rows rotated, 8 newest rows float16); the
+    # field-free q8 before the window measured 4.35e-4 (98.8%) / 9.19e-4 (98.2%).
+    "q8": {"smollm2-135m": (7.69e-5, 0.9896), "gemma3-270m": (2.28e-4, 0.9844)},
+    "q8v": {"smollm2-135m": (5.80e-6, 0.9987), "gemma3-270m": (8.05e-6, 0.9961)},
     "q4": {"smollm2-135m": (4.40e-3, 0.9648), "gemma3-270m": (2.58e-2, 0.9023)},
-    # Measured before f5762da gave q8v's V side its float16 window: re-measure.
-    "q8v": {"smollm2-135m": (4.24e-5, None), "gemma3-270m": (1.07e-4, None)},
     "q8_2f": {"smollm2-135m": (1.25e-3, None), "gemma3-270m": (2.43e-2, None)},
 }
