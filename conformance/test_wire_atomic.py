@@ -45,6 +45,21 @@ def state(c):
     return c.export_wire(), [(x.seq_len, x.base, x.generation) for x in c.layers]
 
 
+def assert_refused_changes_nothing(check, backend, dst, blob, where, answers_of):
+    """``dst.import_wire(blob)`` raises WireError and leaves every layer, and
+    what ``answers_of(dst)`` answers, as it was."""
+    before, outs = state(dst), answers_of(dst)
+    try:
+        dst.import_wire(blob)
+    except WireError:
+        pass
+    else:
+        raise AssertionError(f"kernel wire on backend {backend.name!r}: import accepted a container with {where}")
+    check.equal("wire", state(dst) == before, True, f"{where}: a refused import left every layer as it was")
+    for got, want in zip(answers_of(dst), outs):
+        check.exact("attend_layer", got, want, f"{where}: answers after a refused import")
+
+
 def answers(c):
     q = rng_rows(77, NKV * HPK, HD)
     outs = [c.layers[i].attend_layer(q, importance=False) for i in (0, 2)]
@@ -66,16 +81,7 @@ def test_a_bad_record_after_good_ones_changes_no_layer(backend, check, where):
         b = bytearray(parts[2])
         struct.pack_into("<I", b, 16, 9)
         parts[2] = bytes(b)
-    before, outs = state(dst), answers(dst)
-    try:
-        dst.import_wire(encode_cache(parts))
-    except WireError:
-        pass
-    else:
-        raise AssertionError(f"kernel wire on backend {backend.name!r}: import accepted a container with {where}")
-    check.equal("wire", state(dst) == before, True, f"{where}: a refused import left every layer as it was")
-    for got, want in zip(answers(dst), outs):
-        check.exact("attend_layer", got, want, f"{where}: answers after a refused import")
+    assert_refused_changes_nothing(check, backend, dst, encode_cache(parts), where, answers)
 
 
 @pytest.mark.quick
@@ -124,18 +130,9 @@ def test_a_bad_v3_record_after_good_ones_changes_no_layer(backend, check, mode, 
     else:
         struct.pack_into("<I", b, 36 + m + 28 + 4 * struct.unpack_from("<I", b, 36 + m + 20)[0], 999)
     parts[2] = bytes(b)
-    before = state(dst)
     q = rng_rows(77, NKV * HPK, HD)
-    outs = [x.attend_layer(q, importance=False) for x in dst.layers]
-    try:
-        dst.import_wire(encode_cache(parts))
-    except WireError:
-        pass
-    else:
-        raise AssertionError(f"kernel wire on backend {backend.name!r}: import accepted a container with {where}")
-    check.equal("wire", state(dst) == before, True, f"{mode.value} {where}: a refused import left every layer")
-    for x, want in zip(dst.layers, outs):
-        check.exact("attend_layer", x.attend_layer(q, importance=False), want, f"{where}: answers after a refusal")
+    assert_refused_changes_nothing(check, backend, dst, encode_cache(parts), f"{mode.value} {where}",
+                                   lambda c: [x.attend_layer(q, importance=False) for x in c.layers])
     # the good container installs, and the backend then reads what was sent
     good = src.export_wire()
     dst.import_wire(good)

@@ -244,7 +244,11 @@ class WireMixin:
 
     def _storage_from(self, rec: LayerState) -> LayerStorage:
         """A fresh storage of this layer's mode holding a v3 record's blocks
-        bit for bit (decode checked mode, exact capacity, block table, counts)."""
+        bit for bit (decode checked mode, exact capacity, block table, counts;
+        memoized on ``rec``: the check builds it, the install takes it)."""
+        memo = getattr(rec, "_kvreg_storage", None)
+        if memo is not None and memo[0] is self and memo[1] is self._st.mode:
+            return memo[2]
         s = rec.storage
         fresh = self._new_storage(self.mode)
         fresh.reserve(max(int(s.lens.max(initial=0)), rec.seq_len))
@@ -260,6 +264,7 @@ class WireMixin:
         fresh.xlen[:] = s.xlen
         fresh._imp[: rec.imp.shape[0]] = rec.imp
         fresh.seq_len = rec.seq_len
+        rec._kvreg_storage = (self, self._st.mode, fresh)
         return fresh
 
     def _check_record(self, rec: LayerState) -> None:

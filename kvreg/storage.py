@@ -487,15 +487,17 @@ class LayerStorage:
         if not heads.size or not n:
             return
         self.reserve(int(self.lens[heads].max()) + n)
+        # Rows leaving the float16 window, per head (push_window's order).
+        out16 = np.maximum(self.lens[heads] - self.b8[heads] + n - Q4_WINDOW, 0)
+        starts = np.concatenate([[0], np.cumsum(out16)])
+        leaving = {side: self.push_window(side, heads, r)[1] for side, r in (("k", rk), ("v", rv))}
+        self.advance_window(heads, n)
         for i, h in enumerate(heads):
-            n_h, b4, b8 = int(self.lens[h]), int(self.b4[h]), int(self.b8[h])
-            fh, c8 = n_h - b8, b8 - b4
-            out16 = max(fh + n - Q4_WINDOW, 0)             # rows leaving float16
-            out8 = max(c8 + out16 - Q4_INT8_ROWS, 0)       # rows leaving int8
-            for side, r, group in (("k", rk[i], Q4_K_GROUP), ("v", rv[i], Q4_V_GROUP)):
-                th, t8, t8s = getattr(self, "th" + side), getattr(self, "t8" + side), getattr(self, "t8" + side + "s")
-                f = np.concatenate([th[h, :fh], r.astype(np.float16)])
-                codes, sc = quantize_half_scaled(f[:out16].astype(np.float32), Q4_INT8_GROUP, 127)
+            b4, c8 = int(self.b4[h]), int(self.b8[h] - out16[i] - self.b4[h])
+            out8 = max(c8 + int(out16[i]) - Q4_INT8_ROWS, 0)       # rows leaving int8
+            for side, group in (("k", Q4_K_GROUP), ("v", Q4_V_GROUP)):
+                t8, t8s = getattr(self, "t8" + side), getattr(self, "t8" + side + "s")
+                codes, sc = quantize_half_scaled(leaving[side][starts[i]:starts[i + 1]], Q4_INT8_GROUP, 127)
                 c8_all = np.concatenate([t8[h, :c8], codes])
                 s8_all = np.concatenate([t8s[h, :c8], sc])
                 if out8:
@@ -505,9 +507,7 @@ class LayerStorage:
                     getattr(self, side + "4s")[h, b4:b4 + out8] = s4
                 t8[h, : c8_all.shape[0] - out8] = c8_all[out8:]
                 t8s[h, : c8_all.shape[0] - out8] = s8_all[out8:]
-                th[h, : f.shape[0] - out16] = f[out16:]
             self.b4[h] = b4 + out8
-            self.b8[h] = b8 + out16
 
     def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
         """Rows ``[lo, n)`` of head ``h`` in float32 (rotated basis), each read

@@ -54,3 +54,17 @@ def filled_layer(rows: int, num_kv_heads: int, head_dim: int, *, mode="f32", bac
     # and copies each head's rows once; it takes position-major rows.
     lay.extend(k.transpose(1, 0, 2), v.transpose(1, 0, 2))
     return lay
+
+
+def poison_window_slots(st) -> None:
+    """Write extreme values into the integer slots of a windowed q8 storage's
+    window rows (``[b8, lens)``, never written by the core): a kernel that
+    reads them, instead of the float16 window, changes its answer."""
+    for h in range(st.num_kv_heads):
+        w = slice(int(st.b8[h]), int(st.lens[h]))
+        if st.thk is not None:
+            st.kq[h, w] = 127
+            st.ks[h, w] = np.float32(1e30)
+        if st.thv is not None:
+            st.vq[h, w] = -127
+            st.vs[h, w] = np.float32(np.nan)

@@ -16,6 +16,7 @@ import kvreg
 from kvreg import threads
 from kvreg.layer import LayerKvCache
 from kvreg.reference import ReferenceBackend
+from kvreg.testing.fill import poison_window_slots
 from kvreg_numba import kernels as K
 from kvreg_numba.backend import NumbaBackend
 
@@ -154,14 +155,7 @@ def test_the_int8_slots_of_window_rows_are_never_read(mode):
     q = np.random.default_rng(5).standard_normal((12, 64)).astype(np.float32)
     imp1 = np.zeros(30, np.float32)
     want = be.attend_layer(q, st, scale=0.3, imp=imp1, softcap=5.0)
-    for h in range(st.num_kv_heads):  # poison the (unwritten) slots of the window rows
-        w = slice(int(st.b8[h]), int(st.lens[h]))
-        if st.thk is not None:
-            st.kq[h, w] = 127
-            st.ks[h, w] = np.float32(1e30)
-        if st.thv is not None:
-            st.vq[h, w] = -127
-            st.vs[h, w] = np.float32(np.nan)
+    poison_window_slots(st)
     imp2 = np.zeros(30, np.float32)
     got = be.attend_layer(q, st, scale=0.3, imp=imp2, softcap=5.0)
     assert got.tobytes() == want.tobytes() and imp1.tobytes() == imp2.tobytes()

@@ -16,6 +16,7 @@ import pytest
 
 from kvreg.layer import LayerKvCache
 from kvreg.reference import ReferenceBackend
+from kvreg.testing.fill import poison_window_slots
 from kvreg_opencl import kernels
 from kvreg_opencl.mirror import DeviceMirror
 
@@ -125,14 +126,7 @@ def test_the_int8_slots_of_window_rows_are_never_read(dev, small_blocks, mode):
     st, be = lay._st, lay.backend
     q = np.random.default_rng(5).standard_normal((9, 64)).astype(np.float32)
     want = fresh(dev, st, q, softcap=5.0)
-    for h in range(st.num_kv_heads):  # poison the (unwritten) slots of the window rows
-        w = slice(int(st.b8[h]), int(st.lens[h]))
-        if st.thk is not None:
-            st.kq[h, w] = 127
-            st.ks[h, w] = np.float32(1e30)
-        if st.thv is not None:
-            st.vq[h, w] = -127
-            st.vs[h, w] = np.float32(np.nan)
+    poison_window_slots(st)
     assert fresh(dev, st, q, softcap=5.0).tobytes() == want.tobytes()
 
 
