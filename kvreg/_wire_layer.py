@@ -277,7 +277,7 @@ class WireMixin:
                             f"{self.mode.value}")
         if rec.kind in (WireKind.Full, WireKind.FullTail) and rec.storage is None and self.mode is not KvMode.F32:
             self._converted(rec)
-        if rec.storage is not None and self.mode.tiered:
+        if rec.storage is not None and self.mode.window:
             bad = self._storage_from(rec).tiers_consistent()
             if bad:
                 raise WireError(f"kv import: the {self.mode.value} record's {bad}")

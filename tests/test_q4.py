@@ -109,6 +109,19 @@ def test_a_record_with_broken_tier_counters_is_refused():
     assert e.seq_len == 0 and e.mode is KvMode.Q4
 
 
+def test_a_q8_record_whose_window_bound_is_out_of_range_is_refused():
+    c = LayerKvCache(1, 64, "q8", "reference")
+    c.extend(rows(200, 1, 64), rows(200, 1, 64, 1))
+    blob = bytearray(c.export_wire())
+    at = blob.index(b"\x02b8")
+    pos = blob.index(struct.pack("<q", 200 - c.storage.window), at)
+    blob[pos:pos + 8] = struct.pack("<q", 10_000)
+    d = LayerKvCache(1, 64, "q8", "reference")
+    with pytest.raises(WireError, match="window"):
+        d.import_wire(bytes(blob))
+    assert d.seq_len == 0
+
+
 def test_eviction_keeps_each_row_in_its_tier():
     c = q4(1, 64)
     k, v = rows(300, 1, 64), rows(300, 1, 64, 1)
