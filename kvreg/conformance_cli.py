@@ -19,8 +19,8 @@ cannot start where no device was claimed (an explicit ``--device``, or
 
 ``--backend all`` (the default) runs every registered backend on every
 device its ``devices()`` lists. ``--quick`` selects the ``quick`` marker and
-the short hypothesis profile. The suite is found at ``KVREG_CONFORMANCE_DIR``
-or beside the ``kvreg`` package (``<repo>/conformance``).
+the short hypothesis profile. The suite is the installed
+:mod:`kvreg.conformance` package, or the folder ``KVREG_CONFORMANCE_DIR``.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ def suite_dir() -> Path | None:
     """Where the conformance suite lives, or None if it cannot be found."""
     env = os.environ.get("KVREG_CONFORMANCE_DIR")
     candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve().parent
-    candidates += [here.parent / "conformance", here / "conformance"]
+    candidates.append(Path(__file__).resolve().parent / "conformance")
     for c in candidates:
         if (c / "conftest.py").is_file():
             return c

@@ -21,7 +21,7 @@ def run_suite(backend, keyword, extra_env=None):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
     env.pop("KVREG_CONFORMANCE_SIDE", None)
     env.update(extra_env or {})
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "conformance"), "-p", "broken_backends",
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "kvreg.conformance", "-p", "broken_backends",
            "-p", "no:cacheprovider", "--kvreg-backend", backend, "-k", keyword, "-q", "--tb=line",
            f"--rootdir={ROOT}"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)

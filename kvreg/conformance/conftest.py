@@ -1,11 +1,12 @@
 """pytest wiring of the conformance suite.
 
-Options: ``--kvreg-backend NAME`` (default ``KVREG_BACKEND`` or
+Options (added by :mod:`kvreg.conformance.plugin`, kvreg's ``pytest11``
+entry point, so they exist before this conftest loads): ``--kvreg-backend NAME`` (default ``KVREG_BACKEND`` or
 ``reference``), ``--kvreg-device SPEC`` (default ``KVREG_DEVICE``, else the
 backend's own default). A backend that cannot start skips every case with
 the reason instead of erroring.
 
-Known gaps are data: ``conformance/xfail/<backend>.txt`` (the folder can be
+Known gaps are data: ``kvreg/conformance/xfail/<backend>.txt`` (the folder can be
 moved with ``KVREG_CONFORMANCE_XFAIL_DIR``) holds one case-id
 pattern per line (fnmatch against the node id, or against the test name when
 the pattern has no ``::``), then ``#`` and the reason. An entry that matches
@@ -29,14 +30,6 @@ from .checks import WORST, Checker
 
 _HERE = Path(__file__).parent
 _STATE: dict = {}
-
-
-def pytest_addoption(parser):
-    g = parser.getgroup("kvreg", "kvreg conformance")
-    g.addoption("--kvreg-backend", default=None,
-                help="backend under test (default: KVREG_BACKEND or 'reference')")
-    g.addoption("--kvreg-device", default=None,
-                help="device spec of the backend (default: KVREG_DEVICE or the backend's default)")
 
 
 def _selected(config) -> tuple[str, str | None]:
