@@ -7,7 +7,7 @@ random weights) that prefills a prompt in chunks and decodes greedily through
     python examples/host_app.py --o1
     python examples/host_app.py --handoff      # prefill and decode in two processes
 
-The model and the cache driving live in :mod:`kvreg.demo` (also ``kvreg demo``).
+The model and the cache driving live in :mod:`kvreg_tools.demo` (also ``kvreg demo``).
 """
 
 import sys

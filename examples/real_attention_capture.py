@@ -11,7 +11,7 @@ Model: byte-level (vocab 256), pre-norm (RMSNorm) decoder, ``--layers``
 layers, ``--heads`` query heads sharing ``--kv-heads`` KV heads (GQA, head
 ``h`` reads KV head ``h // (heads / kv_heads)``, kvreg's convention), head
 dim ``--head-dim``, rotate-half RoPE at theta ``--rope-theta`` on queries and
-keys (the convention of :func:`kvreg.testing.realistic.rope_rotate_half`;
+keys (the convention of :func:`kvreg_tools.realistic.rope_rotate_half`;
 checked against it at capture), SwiGLU MLP, tied embeddings, no biases, logit
 scale ``1/sqrt(head_dim)``. Trained with AdamW, warmup + cosine decay, first
 on short sequences, then on ``--context``-byte sequences so that attention
@@ -21,10 +21,10 @@ Capture: one forward pass over ``--context`` held-out bytes; per layer the
 post-RoPE queries ``q [rows, heads, hd]``, post-RoPE keys ``k [rows, kv_heads,
 hd]`` and values ``v [rows, kv_heads, hd]`` -- exactly what a KV cache holds,
 and the queries that read it -- stored float16 in one compressed ``.npz`` with
-the metadata as a JSON string (``meta``). :mod:`kvreg.testing.real_attention`
+the metadata as a JSON string (``meta``). :mod:`kvreg_tools.real_attention`
 loads it.
 
-    python examples/real_attention_capture.py --out kvreg/testing/data/real_qkv.npz
+    python examples/real_attention_capture.py --out tools/kvreg_tools/data/real_qkv.npz
 
 Stored: layers 1 and 3 by default (``--capture-layers``; all four layers at
 2048 rows would be ~5.6 MB, over the ~3 MB kept in the repository);
@@ -171,7 +171,7 @@ def batches(data: np.ndarray, rng: np.random.Generator, batch: int, seq: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="kvreg/testing/data/real_qkv.npz")
+    ap.add_argument("--out", default="tools/kvreg_tools/data/real_qkv.npz")
     ap.add_argument("--corpus", default=sysconfig.get_paths()["stdlib"],
                     help="a folder of .py files (default: this Python's standard library)")
     ap.add_argument("--layers", type=int, default=4)
@@ -335,7 +335,7 @@ def main(argv=None) -> int:
 
     # self-check: the captured keys are the raw keys under kvreg's RoPE
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from kvreg.testing.realistic import rope_rotate_half
+    from kvreg_tools.realistic import rope_rotate_half
 
     with torch.no_grad():
         blk = model.blocks[0]
@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     k_ref = rope_rotate_half(k_raw.astype(np.float64), np.arange(args.context), args.rope_theta)
     err = np.abs(k_ref - cap[0][1].numpy()).max() / np.abs(k_ref).max()
     if err > 1e-5:
-        raise SystemExit(f"RoPE convention mismatch with kvreg.testing.realistic: {err:.2e}")
+        raise SystemExit(f"RoPE convention mismatch with kvreg_tools.realistic: {err:.2e}")
 
     def write(path, layers):
         arrays = {}

@@ -1,4 +1,6 @@
-"""The ``kvreg`` command: ``info``, ``generate``, ``eval``, ``wire inspect``, ``conformance``, ``bench``, ``demo``."""
+"""The ``kvreg`` command: ``info``, ``wire inspect``, ``conformance``; with the
+kvreg-tools distribution installed also ``generate``, ``eval``, ``bench``,
+``demo`` (entry-point group ``kvreg.commands``, :data:`COMMANDS_GROUP`)."""
 
 from __future__ import annotations
 
@@ -140,28 +142,61 @@ def _cmd_conformance(args) -> int:
     return run(args)
 
 
-def _cmd_bench(args) -> int:
-    from kvreg.bench import main as bench_main
+#: The subcommands the kvreg-tools distribution provides: name -> help.
+#: Without it installed each still parses and says where it lives.
+TOOL_COMMANDS = {
+    "generate": "text from a real model through kvreg, beside DynamicCache",
+    "eval": "perplexity, KL and top-1 agreement of cache configs on a real model",
+    "bench": "throughput against the machine's limits and peers",
+    "demo": "a small GPT-style decoder driving KvCache",
+}
 
-    return bench_main(args)
-
-
-def _cmd_demo(args) -> int:
-    from kvreg.demo import main as demo_main
-
-    return demo_main(args)
-
-
-def _cmd_generate(args) -> int:
-    from kvreg.generate import main as generate_main
-
-    return generate_main(args)
+#: The entry-point group of extra ``kvreg`` subcommands. Each entry point is a
+#: callable ``register(subparsers)`` that adds its subparser(s) and sets their
+#: handler with ``set_defaults(func=...)``; the handler gets the parsed
+#: arguments and returns the exit status.
+COMMANDS_GROUP = "kvreg.commands"
 
 
-def _cmd_eval(args) -> int:
-    from kvreg.evaluation import main as eval_main
+def _command_entry_points() -> list:
+    """The installed entry points of :data:`COMMANDS_GROUP` (a seam for tests)."""
+    from importlib.metadata import entry_points
 
-    return eval_main(args)
+    seen, found = set(), []
+    for ep in entry_points(group=COMMANDS_GROUP):
+        if (ep.name, ep.value) not in seen:  # one distribution seen twice on sys.path
+            seen.add((ep.name, ep.value))
+            found.append(ep)
+    return found
+
+
+def _register_plugins(sub) -> dict:
+    """Lets every installed ``kvreg.commands`` entry point add its subcommands.
+
+    A plugin that fails to load or register is reported on stderr and
+    skipped (``kvreg info`` must still run in a broken environment); returns
+    ``{entry point name: error}`` for those."""
+    errors = {}
+    for ep in _command_entry_points():
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # noqa: BLE001  (one broken plugin leaves the others and the core commands)
+            errors[ep.name] = f"{type(exc).__name__}: {exc}"
+            print(f"kvreg: command plugin {ep.name!r} ({ep.value}) failed to load: {errors[ep.name]}",
+                  file=sys.stderr)
+    return errors
+
+
+def _missing_tool(name: str, error: str | None):
+    """The handler of a kvreg-tools subcommand that no installed plugin provides."""
+    def run(args) -> int:
+        why = f"its plugin failed to load ({error})" if error else "it is not installed"
+        print(f"kvreg {name}: this command lives in the kvreg-tools distribution, and {why}.\n"
+              f"  pip install kvreg-tools\n"
+              f"  (in kvreg's repository: pip install -e tools)", file=sys.stderr)
+        return 2
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,34 +204,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sp = sub.add_parser("info", help="version, backends, devices, native kernels, environment")
     sp.set_defaults(func=_cmd_info)
-
-    from kvreg.evaluation import DEFAULT_CONFIGS
-    from kvreg.generate import DEFAULT_PROMPT
-    from kvreg.models import MODELS
-
-    gp = sub.add_parser("generate", help="text from a real model through kvreg, beside DynamicCache")
-    gp.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
-    gp.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
-    gp.add_argument("--tokens", type=int, default=64)
-    gp.add_argument("--kv", default=None, help="KV mode (default: KVREG_KV, else f32)")
-    gp.add_argument("--backend", default=None, help="kvreg backend (default: KVREG_BACKEND, else auto)")
-    gp.set_defaults(func=_cmd_generate)
-
-    ep = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of cache configs on a real model")
-    ep.add_argument("--model", default="smollm2-135m", choices=list(MODELS) + ["all"])
-    ep.add_argument("--text", action="append", default=None, metavar="FILE",
-                    help="text file (repeatable; default: CPython's textwrap.py)")
-    ep.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, o1:M:W:SINK, X@MODE, "
-                         "dynamic, static (default: %(default)s)")
-    ep.add_argument("--tokens", type=int, default=2048)
-    ep.add_argument("--prefix", type=int, default=256)
-    ep.add_argument("--backend", default=None)
-    ep.add_argument("--json", default=None, metavar="FILE")
-    ep.add_argument("--md", default=None, metavar="FILE", help="write the markdown tables here too")
-    ep.add_argument("--plot", default=None, metavar="FILE.png", help="KL against cache bytes")
-    ep.add_argument("--no-progress", action="store_true")
-    ep.set_defaults(func=_cmd_eval)
 
     wp = sub.add_parser("wire", help="wire-format tools")
     wsub = wp.add_subparsers(dest="wire_command", required=True)
@@ -213,31 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--quick", action="store_true", help="the quick profile (< 60 s per backend)")
     cp.set_defaults(func=_cmd_conformance)
 
-    bp = sub.add_parser("bench", help="throughput against the machine's limits and peers")
-    bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
-    bp.add_argument("--backend", action="append", default=None)
-    bp.add_argument("--quick", action="store_true")
-    bp.add_argument("--real", action="store_true",
-                    help="o1 only: the accuracy table on real captured Q/K/V (kvreg.testing.real_attention)")
-    bp.add_argument("--json", default=None, metavar="FILE")
-    bp.add_argument("--plot", default=None, metavar="FILE.png")
-    bp.set_defaults(func=_cmd_bench)
-
-    dp = sub.add_parser("demo", help="a small GPT-style decoder driving KvCache")
-    dp.add_argument("--tokens", type=int, default=32)
-    dp.add_argument("--prompt", type=int, default=256)
-    dp.add_argument("--chunk", type=int, default=64)
-    dp.add_argument("--kv", default=None, help="KV mode (a KVREG_KV value: f32, f16, bf16, q8, q4, ...)")
-    dp.add_argument("--budget", type=int, default=None, help="Born eviction at this many rows")
-    dp.add_argument("--o1", action="store_true", help="seal every layer with the O(1) Nyström state")
-    dp.add_argument("--handoff", action="store_true", help="prefill in one process, decode in another")
-    dp.add_argument("--layers", type=int, default=8)
-    dp.set_defaults(func=_cmd_demo)
+    errors = _register_plugins(sub)
+    for name, help_ in TOOL_COMMANDS.items():
+        if name not in sub.choices:
+            # No options of its own: any arguments (--help included) end in
+            # the message of _missing_tool (see main).
+            mp = sub.add_parser(name, help=f"{help_} (needs kvreg-tools)", add_help=False)
+            mp.set_defaults(func=_missing_tool(name, errors.get(name)), _tool_missing=True)
     return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args, extra = p.parse_known_args(argv)
+    if extra and not getattr(args, "_tool_missing", False):
+        p.error(f"unrecognized arguments: {' '.join(extra)}")  # as parse_args would
     return args.func(args)
 
 

@@ -9,7 +9,7 @@ import kvreg.nystrom as ny
 from kvreg.errors import ConfigError, ShapeError, StateError
 from kvreg.nystrom import FarField, NystromState, O1Rect, o1_deferred_boundary
 from kvreg.testing.nystrom_oracle import nystrom_oracle
-from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
 
 
 def group_data(rows, hpk=2, hd=16, seed=0):

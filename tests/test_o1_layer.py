@@ -5,7 +5,7 @@ import pytest
 
 from kvreg import KvMode, LayerKvCache, SealError, ShapeError, StateError
 from kvreg.nystrom import O1Rect
-from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
 
 
 def layer(nkv=1, hd=4, mode=KvMode.F32):

@@ -7,8 +7,8 @@ import pytest
 from kvreg import ConfigError, KvMode, LayerKvCache, ShapeError, WireError
 from kvreg.modes import KV_K_GROUP, Q8_EXACT_ROWS
 from kvreg.quant import quantize_rows
-from kvreg.testing.q8_report import format_q8_table, q8_accuracy
-from kvreg.testing.realistic import exact_attention_f64
+from kvreg_tools.q8_report import format_q8_table, q8_accuracy
+from kvreg_tools.realistic import exact_attention_f64
 
 Q8_MODES = [KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q8V_2F]
 F1E12 = np.float32(1e-12)
@@ -514,7 +514,7 @@ def test_attend_chunk_dequantizes_once_and_matches_f64_over_dequantized_rows(mod
     assert err <= 1e-4, err
 
 
-# ── accuracy on realistic data (kvreg.testing.q8_report) ──
+# ── accuracy on realistic data (kvreg_tools.q8_report) ──
 
 ACCURACY = dict(rows=768, num_heads=16, num_kv_heads=4, head_dim=128, queries=16, seed=1)
 
@@ -592,7 +592,7 @@ def test_exact_rows_hold_the_first_rows_as_appended_in_field_space():
 
 
 def test_q8_report_runs_on_real_attention_data():
-    from kvreg.testing.real_attention import real_qkv
+    from kvreg_tools.real_attention import real_qkv
     data = real_qkv(rows=256)
     res = q8_accuracy(modes=("q8v",), data=data, queries=8)
     f32, q8v = res

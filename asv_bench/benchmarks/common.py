@@ -68,7 +68,7 @@ def queries(rows: int, num_heads: int = NUM_HEADS, hd: int = HEAD_DIM, seed: int
 def best_time(fn, *, min_time: float = 0.05, repeats: int = 3) -> float:
     """Best-of-``repeats`` seconds per call, each repeat at least ``min_time``
     (for the ``track_`` ratios, measured in the same process as the reference)."""
-    from kvreg.bench import time_call
+    from kvreg_tools.bench import time_call
 
     return time_call(fn, min_time=min_time, repeats=repeats)
 
@@ -76,7 +76,7 @@ def best_time(fn, *, min_time: float = 0.05, repeats: int = 3) -> float:
 @functools.lru_cache(maxsize=1)
 def stream_bandwidth() -> float:
     """The machine's streaming-read bandwidth (GB/s), measured once per process."""
-    from kvreg.bench import stream_read_bandwidth
+    from kvreg_tools.bench import stream_read_bandwidth
 
     return stream_read_bandwidth(quick=True)[0]
 
@@ -84,6 +84,6 @@ def stream_bandwidth() -> float:
 @functools.lru_cache(maxsize=1)
 def matmul_flops() -> float:
     """numpy float32 matmul FLOP/s, measured once per process."""
-    from kvreg.bench import matmul_flops as mf
+    from kvreg_tools.bench import matmul_flops as mf
 
     return mf(quick=True)

@@ -55,7 +55,7 @@ class Q8Decode:
 class Q8Error:
     """Relative error ``||o - ô|| / ||o||`` (median over heads) of the decode
     output against float64 exact attention over the unquantized rows, on
-    realistic data (RoPE, outlier channels, a sink: kvreg.testing.realistic)."""
+    realistic data (RoPE, outlier channels, a sink: kvreg_tools.realistic)."""
 
     params = [common.backend_names(), ["f32", "q8"]]
     param_names = ["backend", "kv"]
@@ -63,7 +63,7 @@ class Q8Error:
 
     def setup(self, name, kv):
         from kvreg.testing.fill import filled_layer
-        from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+        from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
 
         d = realistic_qkv(self.ROWS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, seed=0)
         k = np.ascontiguousarray(d.k.transpose(1, 0, 2))

@@ -9,7 +9,7 @@ append over a memcpy of the row), because absolute times on a shared, noisy
 machine say little.
 
 ``what``: ``all`` (decode, q8, prefill, append, wire), ``decode`` (decode and
-q8 only) or ``o1`` (the accuracy table of :mod:`kvreg.o1_report`; with
+q8 only) or ``o1`` (the accuracy table of :mod:`kvreg_tools.o1_report`; with
 ``--real`` on the captured real-model Q/K/V instead of the generator).
 :func:`run` returns every figure as a JSON-able dict; :func:`main` is the CLI.
 Tests pass a tiny :class:`Sizes` through ``args.sizes``.
@@ -434,13 +434,13 @@ def plot_decode(res: dict, path: str) -> None:
 
 
 def _o1(args) -> int:
-    from kvreg.o1_report import format_table, o1_accuracy_table
+    from kvreg_tools.o1_report import format_table, o1_accuracy_table
 
     real = bool(getattr(args, "real", False))
     rows = o1_accuracy_table(quick=bool(getattr(args, "quick", False)),
                              data="real" if real else "realistic")
     if real:
-        from kvreg.testing.real_attention import real_meta
+        from kvreg_tools.real_attention import real_meta
 
         meta = real_meta()
         print(f"real attention data: {meta['num_layers']}-layer byte-level decoder, layers "
@@ -469,7 +469,7 @@ def main(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print("kvreg bench: --plot needs matplotlib (pip install 'kvreg[bench]' or pip install matplotlib)",
+            print("kvreg bench: --plot needs matplotlib (pip install 'kvreg-tools[bench]' or pip install matplotlib)",
                   file=sys.stderr)
             return 2
     sizes = getattr(args, "sizes", None) or (QUICK if getattr(args, "quick", False) else FULL)

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kvreg import LayerKvCache, bench
+from kvreg import LayerKvCache
+from kvreg_tools import bench
 from kvreg.testing.fill import filled_layer, kv_rows
 
 

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from kvreg.demo import DemoConfig, main, run_demo
+from kvreg_tools.demo import DemoConfig, main, run_demo
 from kvreg.errors import ConfigError
 
 TINY = DemoConfig(layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_model=64, d_ff=128, vocab=64,

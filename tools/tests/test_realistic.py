@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvreg.errors import ShapeError
-from kvreg.testing.realistic import (
+from kvreg_tools.realistic import (
     _realistic_cached,
     error_report,
     exact_attention_f64,

@@ -46,7 +46,7 @@ codes, KIVI's residual rows at the exact dtype on average ((G-1)/2 rows).
 
 Example:
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/kv_quant_study.py --model smollm2-135m \\
+    OMP_NUM_THREADS=1 .venv/bin/python -m kvreg_tools.kv_quant_study --model smollm2-135m \\
         --text textwrap --schemes q8,q8v,f16,bf16
 """
 
@@ -458,7 +458,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="append results (one JSON object per line) to this file")
     args = ap.parse_args(argv)
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from kvreg.models import load
 
     models = ["smollm2-135m", "gemma3-270m"] if args.model == "all" else args.model.split(",")

@@ -1,6 +1,6 @@
 """llama.cpp's KV cache types on the same tokens as ``kvreg eval`` (a peer, benchmark only).
 
-    python peers/llamacpp_kv_eval.py --model smollm2-135m --text FILE --tokens 2048 --prefix 256
+    python tools/peers/llamacpp_kv_eval.py --model smollm2-135m --text FILE --tokens 2048 --prefix 256
 
 Needs ``llama-cpp-python`` (not a kvreg dependency; build it with
 ``CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF"``). The

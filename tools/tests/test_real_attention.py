@@ -1,5 +1,5 @@
 """Real attention data (a trained decoder's captured Q/K/V) and the O(1)
-seal's accuracy on it (kvreg.o1_report.o1_real_table)."""
+seal's accuracy on it (kvreg_tools.o1_report.o1_real_table)."""
 
 import json
 import math
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvreg.errors import ConfigError, ShapeError
-from kvreg.o1_report import format_table, o1_accuracy_table, o1_real_table
-from kvreg.testing.real_attention import DATA_PATH, real_layers, real_meta, real_qkv
-from kvreg.testing.realistic import RealisticQKV
+from kvreg_tools.o1_report import format_table, o1_accuracy_table, o1_real_table
+from kvreg_tools.real_attention import DATA_PATH, real_layers, real_meta, real_qkv
+from kvreg_tools.realistic import RealisticQKV
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_data_is_real_attention(meta):
     """Not noise: a trained model's reads are sharp (the shipped layers'
     median entropy is 0.06-0.5 nat, against log(2048) = 7.6 for a uniform
     read), where random q/k would give near-uniform attention."""
-    from kvreg.testing.realistic import exact_attention_f64
+    from kvreg_tools.realistic import exact_attention_f64
 
     li = meta["layers"][-1]
     d = real_qkv(li)

@@ -25,9 +25,9 @@ def main(args) -> int:
     import torch
     from transformers import DynamicCache
 
-    from . import models
+    from kvreg import models
     from .evaluation import cache_bytes, cache_keyword
-    from .integrations.transformers import KvregCache
+    from kvreg.integrations.transformers import KvregCache
 
     model, tok = models.load(args.model)
     inputs = _chat_inputs(tok, args.prompt)

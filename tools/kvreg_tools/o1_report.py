@@ -1,6 +1,6 @@
 """Accuracy of the O(1) Nyström seal against exact attention and baselines.
 
-On :func:`kvreg.testing.realistic.realistic_qkv` data (GQA 4, two KV groups),
+On :func:`kvreg_tools.realistic.realistic_qkv` data (GQA 4, two KV groups),
 each configuration seals at ``t - ndec`` rows and decodes the last ``ndec``
 positions. Every method is compared with the float64 exact attention:
 
@@ -26,7 +26,7 @@ data the ratio of the heads' sums, since a real head may have ~no exact far
 mass and its own ratio then explodes).
 
 Real data (:func:`o1_real_table`, ``kvreg bench o1 --real``): the same table
-on :func:`kvreg.testing.real_attention.real_qkv`, a small trained decoder's
+on :func:`kvreg_tools.real_attention.real_qkv`, a small trained decoder's
 post-RoPE Q/K/V for a held-out text (see ``examples/real_attention_capture.py``), pooled
 over every captured layer and head (``layer`` "all") and per layer, with one
 more baseline, ``sinkwin``: the sinks and the window alone, no far field and
@@ -40,7 +40,7 @@ import numpy as np
 
 from kvreg import nystrom as ny
 from kvreg.errors import ConfigError
-from kvreg.testing.realistic import exact_attention_f64, realistic_qkv
+from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
 
 __all__ = ["o1_accuracy_table", "o1_real_table", "format_table"]
 
@@ -263,7 +263,7 @@ def o1_real_table(contexts=None, windows=(64, 256), ms=(16, 64), sink=4, *, ndec
                   layers=None, per_layer=True, rcond=1e-3, quick=False,
                   path=None, far_heavy=0.2) -> list[dict]:
     """The same comparison on real attention data
-    (:func:`kvreg.testing.real_attention.real_qkv`: a trained decoder's
+    (:func:`kvreg_tools.real_attention.real_qkv`: a trained decoder's
     post-RoPE Q/K/V for a held-out text): every captured layer's every KV
     group is sealed and decoded, and the errors pooled over all layers and
     heads (rows with ``layer="all"``); ``per_layer`` adds one row per layer
@@ -277,7 +277,7 @@ def o1_real_table(contexts=None, windows=(64, 256), ms=(16, 64), sink=4, *, ndec
     is planted in the first layer's first KV group. ``quick``: the full
     context and the first window only, ndec 16 (seconds). ``path``: another capture file of the same format
     (default: the shipped one)."""
-    from kvreg.testing.real_attention import real_layers, real_meta, real_qkv
+    from kvreg_tools.real_attention import real_layers, real_meta, real_qkv
 
     meta = real_meta(path=path)
     total = int(meta["rows"])
@@ -324,7 +324,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m kvreg.o1_report [--quick] [--real]
+if __name__ == "__main__":  # python -m kvreg_tools.o1_report [--quick] [--real]
     import sys
 
     print(format_table(o1_accuracy_table(quick="--quick" in sys.argv,

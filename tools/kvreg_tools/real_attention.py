@@ -1,6 +1,6 @@
 """Real attention inputs: Q/K/V captured from a trained decoder.
 
-:func:`kvreg.testing.realistic.realistic_qkv` models the features of real
+:func:`kvreg_tools.realistic.realistic_qkv` models the features of real
 attention; this module ships the real thing, small: ``data/real_qkv.npz``,
 written by ``examples/real_attention_capture.py``, which trains a byte-level decoder
 (4 layers, d 256, 8 query heads over 2 KV heads, head dim 32, rotate-half
@@ -29,7 +29,7 @@ import os
 import numpy as np
 
 from kvreg.errors import ConfigError, ShapeError
-from kvreg.testing.realistic import RealisticQKV
+from kvreg_tools.realistic import RealisticQKV
 
 __all__ = ["DATA_PATH", "real_layers", "real_meta", "real_qkv"]
 
@@ -42,7 +42,7 @@ def _resolve(path) -> str:
     if not os.path.isfile(p):
         raise ConfigError(
             f"real attention data not found at {p!r} (regenerate it with "
-            "`python examples/real_attention_capture.py --out kvreg/testing/data/real_qkv.npz`, needs torch)")
+            "`python examples/real_attention_capture.py --out tools/kvreg_tools/data/real_qkv.npz`, needs torch)")
     return os.path.realpath(p)
 
 
@@ -112,7 +112,7 @@ def _real_cached(path: str, layer, rows: int) -> RealisticQKV:
 
 
 def real_qkv(layer: int | None = None, *, rows: int | None = None, path=None) -> RealisticQKV:
-    """Captured real attention data as a :class:`~kvreg.testing.realistic.RealisticQKV`.
+    """Captured real attention data as a :class:`~kvreg_tools.realistic.RealisticQKV`.
 
     ``layer``: a captured layer index (see :func:`real_layers`) -> that
     layer's ``q [rows, nh, hd]``, ``k``/``v [rows, nkv, hd]``; ``None`` -> all

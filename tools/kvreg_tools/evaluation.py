@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from kvreg.errors import ConfigError
 
 __all__ = ["CacheConfig", "default_texts", "evaluate", "markdown_table", "parse_config", "parse_configs"]
 
@@ -48,8 +48,8 @@ class CacheConfig:
 
 def parse_config(spec: str) -> CacheConfig:
     """One configuration from its command-line spelling (module docstring)."""
-    from .cache import Born, Recent
-    from .modes import KvMode
+    from kvreg.cache import Born, Recent
+    from kvreg.modes import KvMode
 
     raw = spec.strip()
     if raw in ("dynamic", "static"):
@@ -116,14 +116,14 @@ def _make_cache(cfg: CacheConfig, model, tokens: int, backend):
         from transformers import StaticCache
 
         return StaticCache(config=model.config, max_cache_len=tokens)
-    from .integrations.transformers import KvregCache
+    from kvreg.integrations.transformers import KvregCache
 
     return KvregCache(model, backend=backend, **cfg.kwargs)
 
 
 def cache_bytes(cache) -> tuple[int, float | None]:
     """(KV bytes held, bytes per K/V element held or None)."""
-    from .integrations.transformers import KvregCache
+    from kvreg.integrations.transformers import KvregCache
 
     if isinstance(cache, KvregCache):
         total = cache.memory_bytes()
@@ -238,15 +238,15 @@ def plot(reports: list[dict], path: str) -> None:
 
 
 def main(args) -> int:
-    from . import models
-    from .registry import get_backend
+    from kvreg import models
+    from kvreg.registry import get_backend
 
     configs = parse_configs(args.configs)
     if args.plot:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError("--plot needs matplotlib: pip install 'kvreg[bench]'")
+            raise ConfigError("--plot needs matplotlib: pip install 'kvreg-tools[bench]'")
     texts = [Path(t) for t in args.text] if args.text else default_texts()[:1]
     names = list(models.MODELS) if args.model == "all" else [args.model]
     reports = []

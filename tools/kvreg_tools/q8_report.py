@@ -1,6 +1,6 @@
 """Accuracy of the q8_2f cache against exact attention, with and without its field.
 
-On :func:`kvreg.testing.realistic.realistic_qkv` data (RoPE, outlier K
+On :func:`kvreg_tools.realistic.realistic_qkv` data (RoPE, outlier K
 channels, a sink, log-normal values) every row is appended to one layer per
 configuration: an ``f32`` baseline and each q8 mode (``q8`` = K and V,
 ``q8k``, ``q8v``), with the per-channel 2f field (the seed's ``_2f`` storage)
@@ -11,14 +11,14 @@ positions are decoded: Q head ``h`` of position ``i`` attends the rows
 ``[0, i]`` of its group through the public ``attend_group(..., upto=i+1)``
 (bit-identical to the call made when the layer held exactly ``i+1`` rows), its
 probabilities read back through ``imp_acc``. Each output and probability row
-is compared with :func:`~kvreg.testing.realistic.exact_attention_f64` on the
+is compared with :func:`~kvreg_tools.realistic.exact_attention_f64` on the
 original float32 data:
 
 * output relative error ``‖o−ô‖/‖o‖``, median and p99 over (position, head);
 * probability L1 ``Σ_p |p−p̂|``, median and p99;
 * bytes per stored K/V element (``memory_bytes`` over ``2·rows·nkv·hd``).
 
-Run it: ``python -m kvreg.testing.q8_report``.
+Run it: ``python -m kvreg_tools.q8_report``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from kvreg.layer import LayerKvCache
 from kvreg.modes import Q8_EXACT_ROWS, KvMode
-from kvreg.testing.realistic import error_report, exact_attention_f64, realistic_qkv
+from kvreg_tools.realistic import error_report, exact_attention_f64, realistic_qkv
 
 __all__ = ["q8_accuracy", "format_q8_table"]
 
@@ -82,8 +82,8 @@ def q8_accuracy(modes=("q8", "q8k", "q8v"), rows: int = 2048, *, field=True, exa
     the seed's storage) or an iterable of counts. ``baseline`` adds the F32 row first;
     ``data_options`` go to :func:`realistic_qkv` (``outlier_channels``,
     ``outlier_scale``, ``rope_theta``, ``sink_strength``); ``data`` (a
-    :class:`~kvreg.testing.realistic.RealisticQKV`, e.g.
-    :func:`kvreg.testing.real_attention.real_qkv`) replaces the generator,
+    :class:`~kvreg_tools.realistic.RealisticQKV`, e.g.
+    :func:`kvreg_tools.real_attention.real_qkv`) replaces the generator,
     its shapes replacing ``rows`` and the head counts. Returns one
     dict per configuration: ``mode``, ``field`` (None for f32), ``exact_rows``,
     ``bytes_per_element``, ``rel_median``, ``rel_p99``, ``rel_max``,
@@ -156,7 +156,7 @@ def format_q8_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kvreg.testing.q8_report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvreg_tools.q8_report", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--queries", type=int, default=32)
     ap.add_argument("--heads", type=int, default=32)
@@ -166,11 +166,11 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default="reference")
     ap.add_argument("--outlier-scale", type=float, default=10.0, help="realistic_qkv's outlier_scale")
     ap.add_argument("--real", action="store_true",
-                    help="the captured real-model Q/K/V (kvreg.testing.real_attention) instead of the generator")
+                    help="the captured real-model Q/K/V (kvreg_tools.real_attention) instead of the generator")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     if a.real:
-        from kvreg.testing.real_attention import real_qkv
+        from kvreg_tools.real_attention import real_qkv
 
         data = real_qkv()
         what = f"real_qkv (all captured layers) rows={data.q.shape[0]} heads={data.q.shape[1]}/{data.k.shape[1]} " \

@@ -4,7 +4,7 @@ import pytest
 
 from kvreg.cache import Born, Recent
 from kvreg.errors import ConfigError
-from kvreg.evaluation import parse_config, parse_configs
+from kvreg_tools.evaluation import parse_config, parse_configs
 
 
 def test_modes_policies_seal_and_peers_parse():

@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .cache import EvictionPolicy, KvCache
-from .errors import ConfigError
-from .modes import KvMode
-from .registry import get_backend
-from .testing.realistic import rope_rotate_half
+from kvreg.cache import EvictionPolicy, KvCache
+from kvreg.errors import ConfigError
+from kvreg.modes import KvMode
+from kvreg.registry import get_backend
+from .realistic import rope_rotate_half
 
 __all__ = ["DemoConfig", "TinyGPT", "Session", "run_demo", "main"]
 

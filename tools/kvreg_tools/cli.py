@@ -1,0 +1,92 @@
+"""The ``kvreg`` subcommands kvreg-tools adds: ``generate``, ``eval``, ``bench``, ``demo``.
+
+Each ``register_*`` is an entry point of the group ``kvreg.commands``: core
+:mod:`kvreg.cli` calls it with its subparsers action; it adds one subparser and
+sets its handler (``func``). Registering imports nothing heavy: torch,
+transformers and matplotlib load when a command runs.
+"""
+
+from __future__ import annotations
+
+
+def _cmd_bench(args) -> int:
+    from kvreg_tools.bench import main as bench_main
+
+    return bench_main(args)
+
+
+def _cmd_demo(args) -> int:
+    from kvreg_tools.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def _cmd_generate(args) -> int:
+    from kvreg_tools.generate import main as generate_main
+
+    return generate_main(args)
+
+
+def _cmd_eval(args) -> int:
+    from kvreg_tools.evaluation import main as eval_main
+
+    return eval_main(args)
+
+
+def register_generate(sub) -> None:
+    from kvreg.models import MODELS
+    from kvreg_tools.generate import DEFAULT_PROMPT
+
+    gp = sub.add_parser("generate", help="text from a real model through kvreg, beside DynamicCache")
+    gp.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
+    gp.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
+    gp.add_argument("--tokens", type=int, default=64)
+    gp.add_argument("--kv", default=None, help="KV mode (default: KVREG_KV, else f32)")
+    gp.add_argument("--backend", default=None, help="kvreg backend (default: KVREG_BACKEND, else auto)")
+    gp.set_defaults(func=_cmd_generate)
+
+
+def register_eval(sub) -> None:
+    from kvreg.models import MODELS
+    from kvreg_tools.evaluation import DEFAULT_CONFIGS
+
+    ep = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of cache configs on a real model")
+    ep.add_argument("--model", default="smollm2-135m", choices=list(MODELS) + ["all"])
+    ep.add_argument("--text", action="append", default=None, metavar="FILE",
+                    help="text file (repeatable; default: CPython's textwrap.py)")
+    ep.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, o1:M:W:SINK, X@MODE, "
+                         "dynamic, static (default: %(default)s)")
+    ep.add_argument("--tokens", type=int, default=2048)
+    ep.add_argument("--prefix", type=int, default=256)
+    ep.add_argument("--backend", default=None)
+    ep.add_argument("--json", default=None, metavar="FILE")
+    ep.add_argument("--md", default=None, metavar="FILE", help="write the markdown tables here too")
+    ep.add_argument("--plot", default=None, metavar="FILE.png", help="KL against cache bytes")
+    ep.add_argument("--no-progress", action="store_true")
+    ep.set_defaults(func=_cmd_eval)
+
+
+def register_bench(sub) -> None:
+    bp = sub.add_parser("bench", help="throughput against the machine's limits and peers")
+    bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
+    bp.add_argument("--backend", action="append", default=None)
+    bp.add_argument("--quick", action="store_true")
+    bp.add_argument("--real", action="store_true",
+                    help="o1 only: the accuracy table on real captured Q/K/V (kvreg_tools.real_attention)")
+    bp.add_argument("--json", default=None, metavar="FILE")
+    bp.add_argument("--plot", default=None, metavar="FILE.png")
+    bp.set_defaults(func=_cmd_bench)
+
+
+def register_demo(sub) -> None:
+    dp = sub.add_parser("demo", help="a small GPT-style decoder driving KvCache")
+    dp.add_argument("--tokens", type=int, default=32)
+    dp.add_argument("--prompt", type=int, default=256)
+    dp.add_argument("--chunk", type=int, default=64)
+    dp.add_argument("--kv", default=None, help="KV mode (a KVREG_KV value: f32, f16, bf16, q8, q4, ...)")
+    dp.add_argument("--budget", type=int, default=None, help="Born eviction at this many rows")
+    dp.add_argument("--o1", action="store_true", help="seal every layer with the O(1) Nyström state")
+    dp.add_argument("--handoff", action="store_true", help="prefill in one process, decode in another")
+    dp.add_argument("--layers", type=int, default=8)
+    dp.set_defaults(func=_cmd_demo)
