@@ -6,11 +6,19 @@ entry point, so they exist before this conftest loads): ``--kvreg-backend NAME``
 backend's own default). A backend that cannot start skips every case with
 the reason instead of erroring.
 
-Known gaps are data: ``kvreg/conformance/xfail/<backend>.txt`` (the folder can be
-moved with ``KVREG_CONFORMANCE_XFAIL_DIR``) holds one case-id
-pattern per line (fnmatch against the node id, or against the test name when
-the pattern has no ``::``), then ``#`` and the reason. An entry that matches
-no collected case is reported as stale (terminal summary and side file).
+Known gaps are data, read from two lists (both apply):
+
+* ``KVREG_CONFORMANCE_XFAIL_DIR/<backend>.txt`` when that variable is set,
+  else kvreg's own ``kvreg/conformance/xfail/<backend>.txt`` (kvreg's backends);
+* the list the backend class ships itself: its ``conformance_xfail``
+  attribute, a package resource ``"package.module:relative/path.txt"``
+  (read with :mod:`importlib.resources`), or None. A third-party backend
+  cannot write into kvreg's package, so it declares its list this way.
+
+Each holds one case-id pattern per line (fnmatch against the node id, or
+against the test name when the pattern has no ``::``), then ``#`` and the
+reason. An entry that matches no collected case is reported as stale
+(terminal summary and side file), naming its list.
 
 ``KVREG_CONFORMANCE_SIDE=path.json``: at the end of the session write the
 outcome counts, the slowest case, the worst error per kernel against the
@@ -20,6 +28,7 @@ oracle and the stale xfail entries there (read by ``kvreg conformance``).
 from __future__ import annotations
 
 import fnmatch
+import importlib.resources
 import json
 import os
 from pathlib import Path
@@ -69,7 +78,7 @@ def _start_backend():
     return _STATE["backend"], _STATE["error"]
 
 
-def pytest_report_header(config):
+def _backend_lines() -> list[str]:
     be, err = _start_backend()
     if be is None:
         return [f"kvreg backend: {_STATE['name']} (device {_STATE['device'] or 'default'}): UNAVAILABLE: {err}"]
@@ -78,19 +87,60 @@ def pytest_report_header(config):
             f"kvreg native kernels: {', '.join(native) if native else 'none (inherits the reference)'}"]
 
 
+def pytest_report_header(config):
+    return _backend_lines()
+
+
 # ── known gaps ──
 
-def read_xfail_file(path: Path) -> list[tuple[str, str]]:
-    """``(pattern, reason)`` per entry of an xfail list."""
+def parse_xfail(text: str) -> list[tuple[str, str]]:
+    """``(pattern, reason)`` per entry of an xfail list's text."""
     entries = []
-    if not path.is_file():
-        return entries
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         body, _, reason = line.partition("#")
         pattern = body.strip()
         if pattern:
             entries.append((pattern, reason.strip() or "known gap (no reason given)"))
     return entries
+
+
+def read_xfail_file(path: Path) -> list[tuple[str, str]]:
+    """``(pattern, reason)`` per entry of an xfail list file (none when absent)."""
+    return parse_xfail(path.read_text()) if path.is_file() else []
+
+
+def read_xfail_resource(spec: str) -> list[tuple[str, str]]:
+    """``(pattern, reason)`` per entry of the list a backend class declares:
+    ``"package.module:relative/path.txt"``, a resource of that package."""
+    anchor, sep, rel = spec.partition(":")
+    if not sep or not anchor or not rel:
+        raise pytest.UsageError(f"conformance_xfail = {spec!r}: expected 'package.module:relative/path.txt'")
+    try:
+        res = importlib.resources.files(anchor).joinpath(*rel.split("/"))
+        return parse_xfail(res.read_text(encoding="utf-8"))
+    except (ImportError, OSError) as exc:
+        raise pytest.UsageError(f"conformance_xfail = {spec!r} cannot be read: {type(exc).__name__}: {exc}") from None
+
+
+def xfail_lists(name: str, cls: type | None) -> list[tuple[str, list[tuple[str, str]]]]:
+    """``(source, entries)`` of every xfail list that applies to backend ``name``
+    (class ``cls``, None when not registered), in the order they are read."""
+    folder = os.environ.get("KVREG_CONFORMANCE_XFAIL_DIR")
+    path = (Path(folder) if folder else _HERE / "xfail") / f"{name}.txt"
+    lists = [(str(path), read_xfail_file(path))]
+    spec = getattr(cls, "conformance_xfail", None) if cls is not None else None  # TODO typed attribute
+    if spec:
+        lists.append((spec, read_xfail_resource(spec)))
+    return lists
+
+
+def _backend_class(name: str) -> type | None:
+    be = _STATE.get("backend")
+    if be is not None:
+        return type(be)
+    from kvreg import registry
+
+    return registry.backends().get(name)
 
 
 def _matches(pattern: str, item) -> bool:
@@ -101,29 +151,32 @@ def _matches(pattern: str, item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    folder = Path(os.environ.get("KVREG_CONFORMANCE_XFAIL_DIR") or _HERE / "xfail")
-    path = folder / f"{_STATE['name']}.txt"
-    entries = read_xfail_file(path)
+    entries = [(source, pattern, reason)
+               for source, found in xfail_lists(_STATE["name"], _backend_class(_STATE["name"]))
+               for pattern, reason in found]
     used = set()
     for item in items:
-        for pattern, reason in entries:
+        for source, pattern, reason in entries:
             if _matches(pattern, item):
-                item.add_marker(pytest.mark.xfail(reason=f"{path.name}: {reason}", strict=False))
-                used.add(pattern)
+                item.add_marker(pytest.mark.xfail(reason=f"{Path(source).name}: {reason}", strict=False))
+                used.add((source, pattern))
                 break
     # tryfirst: -k / -m deselection has not run yet, so an entry is judged
     # stale against every collected case, not against this run's selection.
-    _STATE["stale"] = [f"{p}  # {r}" for p, r in entries if p not in used]
-    _STATE["xfail_file"] = str(path)
+    _STATE["stale_entries"] = [(s, p, r) for s, p, r in entries if (s, p) not in used]
+    _STATE["stale"] = [f"{s}: {p}  # {r}" for s, p, r in _STATE["stale_entries"]]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr = terminalreporter
-    for line in _STATE.get("stale", []):
-        tr.write_line(f"WARNING: stale xfail entry in {_STATE['xfail_file']} matches no case: {line}",
+    if config.get_verbosity() < 0:   # -q hides the header: say what was tested here
+        for line in _backend_lines():
+            tr.write_line(line)
+    for source, pattern, reason in _STATE.get("stale_entries", []):
+        tr.write_line(f"WARNING: stale xfail entry in {source} matches no case: {pattern}  # {reason}",
                       yellow=True)
     if WORST:
-        tr.write_sep("-", "kvreg: worst error against the oracle per kernel (|err| / tolerance)")
+        tr.write_sep("-", "kvreg: worst error per tolerance entry (|err| / tolerance)")
         for kernel, w in sorted(WORST.items()):
             tr.write_line(f"  {kernel:26s} {w['ratio']:8.3f}  |err|={w['abs']:.3g}  {w['case']}")
 
