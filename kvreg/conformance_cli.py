@@ -7,7 +7,7 @@
 crash or a leak stays in its process), with pytest's progress shown live
 under a ``[i/n] backend on device`` banner. The suite's conftest writes a
 side file (``KVREG_CONFORMANCE_SIDE``) with outcome counts, the slowest
-cases, the worst error per kernel against the oracle and stale xfail
+cases, the worst error per tolerance entry and stale xfail
 entries; the command prints them as a table, optionally writes them as JSON
 (``--report``) and merges the per-run JUnit files into one (``--junit``).
 
@@ -130,7 +130,7 @@ def table(records: list[dict]) -> str:
             lines.append(f"    slowest case: {s['seconds']:.2f}s {s['case']}")
         worst = r.get("worst_error") or {}
         if worst:
-            lines.append("    worst error vs the oracle (|err| / tolerance, |err|):")
+            lines.append("    worst error per tolerance entry (|err| / tolerance, |err|):")
             for k, w in sorted(worst.items()):
                 lines.append(f"      {k:26s} {w['ratio']:7.3f}  {w['abs']:.3g}")
         for s in r.get("stale_xfail", []):
@@ -159,8 +159,8 @@ def run(args) -> int:
     """Entry point of ``kvreg conformance``; returns the exit status."""
     suite = suite_dir()
     if suite is None:
-        print("kvreg conformance: the suite was not found (set KVREG_CONFORMANCE_DIR to the conformance/ "
-              "folder of a kvreg checkout)", file=sys.stderr)
+        print("kvreg conformance: the suite was not found (reinstall kvreg, whose kvreg.conformance package "
+              "holds it, or set KVREG_CONFORMANCE_DIR to a copy of kvreg/conformance/)", file=sys.stderr)
         return 2
     from .errors import BackendError
 
