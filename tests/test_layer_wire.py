@@ -1,4 +1,5 @@
-"""kvreg's wire guarantees beyond the seed (the seed's wire tests: conformance/test_seed.py)."""
+"""kvreg's wire guarantees beyond the Rust engine's (its own wire tests run in
+kvreg/conformance/test_reference_semantics.py)."""
 
 import struct
 

@@ -1,6 +1,6 @@
 """Reference-backend specifics: views, kernel invariants through its own primitives.
 
-The seed's tests themselves run on every backend in conformance/test_seed.py."""
+The Rust engine's own tests run on every backend in kvreg/conformance/test_reference_semantics.py."""
 
 import numpy as np
 

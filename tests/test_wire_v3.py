@@ -149,7 +149,7 @@ def test_what_follows_an_import_is_what_follows_the_original(mode):
     same_answers(a, b)
 
 
-def test_an_f32_layer_still_writes_the_seeds_v2_bytes():
+def test_an_f32_layer_still_writes_v2_bytes():
     a = make(KvMode.F32, 7)
     blob = a.export_wire()
     assert struct.unpack_from("<I", blob, 4)[0] == 2

@@ -2,7 +2,7 @@
 
 ``check.exact`` compares bit patterns (NaN-aware: a NaN matches a NaN of the
 same payload; sign-of-zero-aware: ``-0.0 != +0.0``). ``check.close`` compares
-with the tolerance of :mod:`conformance.tolerances` declared for the kernel
+with the tolerance of :mod:`kvreg.conformance.tolerances` declared for the kernel
 and records the worst error seen per kernel (written to the side file named
 by ``KVREG_CONFORMANCE_SIDE`` at the end of the session, for the
 ``kvreg conformance`` table). Failure messages name the kernel, the backend,
@@ -64,9 +64,11 @@ class Checker:
                 f"{self._head(kernel, what)}: not bit-identical at index {idx}: got {_fmt(gi)}, "
                 f"expected {_fmt(ei)}{bits}; {int(diff.sum())} of {diff.size} elements differ")
 
-    def close(self, kernel: str, got, expected, what: str = "") -> None:
+    def close(self, kernel: str, got, expected, what: str = "", *, relative_to_max: bool = False) -> None:
         """``|got - expected| <= atol + rtol·|expected|`` with the kernel's
-        declared tolerance; NaN must sit exactly where NaN is expected."""
+        declared tolerance (``relative_to_max``: ``rtol·max|expected|``, for
+        the entries whose reason says so); NaN must sit exactly where NaN is
+        expected."""
         __tracebackhide__ = True
         rtol, atol, _reason = tolerance(kernel)
         g = np.asarray(got, dtype=np.float64)
@@ -81,7 +83,10 @@ class Checker:
         with np.errstate(invalid="ignore"):
             err = np.where(gn, 0.0, np.abs(g - e))
             err = np.where(np.isinf(e) & (g == e), 0.0, err)
-        bound = atol + rtol * np.abs(np.where(en, 0.0, e))
+        mag = np.abs(np.where(en, 0.0, e))
+        if relative_to_max:
+            mag = np.full_like(mag, mag.max(initial=0.0))
+        bound = atol + rtol * mag
         ratio = err / bound
         self._record(kernel, float(err.max(initial=0.0)), float(ratio.max(initial=0.0)))
         bad = ~(err <= bound)

@@ -19,7 +19,7 @@ def f32(xs) -> np.ndarray:
 
 
 def swa_row(p: int, n: int, salt: int) -> np.ndarray:
-    """The seed's pseudo-random row in [-1, 1) (``swa_row`` of kv_cache.rs)."""
+    """The Rust engine's pseudo-random test row in [-1, 1) (``swa_row`` of kv_cache.rs)."""
     i = np.arange(n)
     return f32(((p * 7919 + i * 104_729 + salt * 1_299_709) % 2003) / 1001.5 - 1.0)
 
@@ -40,7 +40,7 @@ def filled(backend, nkv: int, hd: int, mode=KvMode.F32, rows: int = 40, seed: in
 
     Returns ``(layer, k [rows, nkv*hd], v [rows, nkv*hd])``. With
     ``channel_structure`` even channels are 4x larger than odd ones, as in
-    the seed's q8 test (it makes the q8 field matter). ``exact_rows``: the
+    the Rust engine's q8 test (it makes the q8 field matter). ``exact_rows``: the
     layer's ``q8_exact_rows``.
     """
     k = rng_rows(seed, rows, nkv * hd)

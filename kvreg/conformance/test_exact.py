@@ -19,7 +19,7 @@ MODE_IDS = [m.value for m in ALL_MODES]
 
 
 def _quantize_both(backend, check, x, col, group, what):
-    got_q, got_s = backend.quantize_rows(x.copy(), None if col is None else col.copy(), group)
+    got_q, got_s = backend.quantize_rows(x.copy(), None if col is None else col.copy(), group=group)
     want_q, want_s = quantize_rows_spec(x, col, group)
     check.exact("quantize_rows", np.asarray(got_q), want_q, f"{what}: int8 rows")
     check.exact("quantize_rows", np.asarray(got_s), want_s, f"{what}: scales")

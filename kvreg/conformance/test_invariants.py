@@ -74,8 +74,8 @@ def test_attend_layer_equals_attend_group_per_group(backend, check, mode, window
         hs = slice(g * hpk, (g + 1) * hpk)
         og = c.attend_group(q[hs], g, scale=0.2, first=first, softcap=4.0, sinks=sinks[hs], imp_acc=imp_groups)
         check.exact("attend_layer", out[hs], og, f"{mode.value} window {window} group {g}: layer vs group")
-    # The seed compares this mass within 1e-6, not bitwise: a layer kernel
-    # may add the groups' contributions to a row in another order.
+    # The Rust engine compares this mass within a tolerance, not bitwise: a
+    # layer kernel may add the groups' contributions to a row in another order.
     check.close("importance", imp_layer, imp_groups, f"{mode.value} window {window}: layer call vs per group")
 
 

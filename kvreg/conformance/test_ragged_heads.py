@@ -1,6 +1,6 @@
 """Ragged heads: a KV head that was dead for earlier appends holds fewer
-rows than the others (issue 18 item 4: ``kv_abs_max`` missed a NaN written
-to such a head). Kernels must read each head's own length."""
+rows than the others (a regression case: ``kv_abs_max`` once missed a NaN
+written to such a head). Kernels must read each head's own length."""
 
 import numpy as np
 import pytest

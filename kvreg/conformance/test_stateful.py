@@ -19,7 +19,7 @@ from kvreg import KvMode, LayerKvCache
 from .checks import assert_same_storage
 from .data import ALL_MODES, EXACT_ROWS, rng_rows
 
-# Rolling back under a sliding tail's window warns (the seed's log line); here it is the point.
+# Rolling back under a sliding tail's window warns (the Rust engine's log line); here it is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:sliding tail:UserWarning")
 
 seeds = st.integers(0, 2**16)

@@ -1,6 +1,6 @@
 """Integer arguments as numpy integer types answer exactly as Python ints
-(issue 18 item 2: a ``np.uint8`` window wrapped at 256 and wiped the layer;
-``np.uint64`` overflowed after rows moved), and row counts past 255 reach
+(regression cases: a ``np.uint8`` window once wrapped at 256 and wiped the
+layer; ``np.uint64`` overflowed after rows moved), and row counts past 255 reach
 the kernels whole (a kernel narrowing them would answer from the wrong rows).
 """
 

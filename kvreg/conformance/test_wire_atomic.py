@@ -1,6 +1,6 @@
 """Whole-cache imports are all or nothing, and what an import installs is
-what the backend then reads (issue 18 item 1: a bad Bounded record after
-good ones failed at install, after the earlier layers had changed), for v2
+what the backend then reads (a regression case: a bad Bounded record after
+good ones once failed at install, after the earlier layers had changed), for v2
 records as for v3 records of quantized storage."""
 
 import struct
