@@ -1,4 +1,5 @@
-"""The O(1) seal lifecycle on a layer: validation, latch, memory (seed tests: conformance/test_seed.py)."""
+"""The O(1) seal lifecycle on a layer: validation, latch, memory (the Rust engine's tests of it:
+kvreg/conformance/test_reference_semantics.py)."""
 
 import numpy as np
 import pytest
