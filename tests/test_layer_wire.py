@@ -14,7 +14,7 @@ def layer(nkv, hd, mode=KvMode.F32):
     return LayerKvCache(nkv, hd, mode, "reference")
 
 
-def swa_row(p, n, salt):
+def pseudo_random_row(p, n, salt):
     i = np.arange(n)
     return (((p * 7919 + i * 104_729 + salt * 1_299_709) % 2003) / 1001.5 - 1.0).astype(np.float32)
 
@@ -52,7 +52,7 @@ def test_wire_refuses_an_o1_overlay():
 def _busy_layer():
     c = layer(2, 4)
     for p in range(6):
-        c.append(swa_row(p, 8, 1), swa_row(p, 8, 2))
+        c.append(pseudo_random_row(p, 8, 1), pseudo_random_row(p, 8, 2))
     c.accumulate_imp(np.arange(6, dtype=np.float32))
     c.linear_state = np.array([1.0, 2.0], np.float32)
     c.sinks = [0.1, 0.2, 0.3, 0.4]
@@ -72,7 +72,7 @@ def _busy_layer():
 def test_a_refused_import_leaves_the_layer_exactly_as_it_was(mutate):
     blob = layer(2, 4)
     for p in range(3):
-        blob.append(swa_row(p, 8, 5), swa_row(p, 8, 6))
+        blob.append(pseudo_random_row(p, 8, 5), pseudo_random_row(p, 8, 6))
     bad = mutate(blob.export_wire(False))
     c = _busy_layer()
     before = snapshot(c)
@@ -108,7 +108,7 @@ def test_cache_container_round_trips_every_layer():
     a = KvCache(3, 2, 4, 64, mode="f32", backend="reference")
     for p in range(7):
         for lay in a.layers:
-            lay.append(swa_row(p + lay.wire_layer, 8, 1), swa_row(p, 8, 2))
+            lay.append(pseudo_random_row(p + lay.wire_layer, 8, 1), pseudo_random_row(p, 8, 2))
     b = KvCache(3, 2, 4, 64, mode="f32", backend="reference")
     b.import_wire(a.export_wire())
     for la, lb in zip(a.layers, b.layers):
@@ -136,7 +136,7 @@ def test_bounded_layer_steps_and_rolls_back_through_truncate_last():
     weights = BoundedWeights(np.zeros((kvh, 1, hd), np.float32), np.zeros((kvh, 1, hd), np.float32), 1, [w, 2])
     rope = BoundedRope(10000.0, hd)
     for p in range(6):
-        out = c.bounded_step(swa_row(p, 4 * hd, 1), swa_row(p, kvh * hd, 2), swa_row(p, kvh * hd, 3),
+        out = c.bounded_step(pseudo_random_row(p, 4 * hd, 1), pseudo_random_row(p, kvh * hd, 2), pseudo_random_row(p, kvh * hd, 3),
                              weights, rope, 0.5, 4)
         assert out.shape == (4, hd)
     assert c.seq_len == 6
@@ -157,8 +157,8 @@ def test_bounded_state_bytes_constant_in_tokens():
     for p in range(10_000):
         if p in (1, 100, 9_999):
             sizes.add(c.bounded_state_bytes())
-        c.bounded.insert(swa_row(p, hd, 1), swa_row(p, hd, 2))
-    c.bounded_step(swa_row(0, hd, 1), swa_row(0, hd, 1), swa_row(0, hd, 1), weights, rope, 0.5, 1)
+        c.bounded.insert(pseudo_random_row(p, hd, 1), pseudo_random_row(p, hd, 2))
+    c.bounded_step(pseudo_random_row(0, hd, 1), pseudo_random_row(0, hd, 1), pseudo_random_row(0, hd, 1), weights, rope, 0.5, 1)
     sizes.add(c.bounded_state_bytes())
     assert len(sizes) == 1
 

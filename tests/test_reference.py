@@ -16,7 +16,7 @@ def bits(a):
     return np.asarray(a, dtype=np.float32).view(np.uint32)
 
 
-def swa_row(p, n, salt):
+def pseudo_random_row(p, n, salt):
     i = np.arange(n)
     return f32(((p * 7919 + i * 104_729 + salt * 1_299_709) % 2003) / 1001.5 - 1.0)
 
@@ -49,7 +49,7 @@ def _grouped_fixture(mode, kv_heads=2, hd=32, rows=70):
     return c
 
 
-def test_attend_layer_equals_attend_group_per_group_bitexact():
+def test_attend_layer_equals_attend_group_per_group_bit_for_bit():
     c = _grouped_fixture(KvMode.F32, 2, 32)
     q = np.random.default_rng(0).standard_normal((6, 32)).astype(np.float32)
     sinks = f32([0.3, -1.0, 2.0, 0.0, 1.5, -0.5])

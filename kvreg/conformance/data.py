@@ -18,7 +18,7 @@ def f32(xs) -> np.ndarray:
     return np.asarray(xs, dtype=np.float32)
 
 
-def swa_row(p: int, n: int, salt: int) -> np.ndarray:
+def pseudo_random_row(p: int, n: int, salt: int) -> np.ndarray:
     """The Rust engine's pseudo-random test row in [-1, 1) (``swa_row`` of kv_cache.rs)."""
     i = np.arange(n)
     return f32(((p * 7919 + i * 104_729 + salt * 1_299_709) % 2003) / 1001.5 - 1.0)

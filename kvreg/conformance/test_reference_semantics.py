@@ -13,7 +13,7 @@ from kvreg import EvictionPolicy, KvCache, KvMode, LayerKvCache, WireKind
 from kvreg.nystrom import O1Rect
 from kvreg.testing import oracle
 
-from .data import f32, swa_row
+from .data import f32, pseudo_random_row
 
 
 def lay(backend, nkv, hd, mode=KvMode.F32):
@@ -266,7 +266,7 @@ def _grouped(backend, mode, kv_heads=2, hd=32, rows=70):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8_2F], ids=lambda m: m.value)
-def test_attend_group_equals_per_head_attend_bitexact(backend, check, mode):
+def test_attend_group_equals_each_head_alone_bit_for_bit(backend, check, mode):
     kv_heads, hd, hpk = 2, 32, 3
     c = _grouped(backend, mode, kv_heads, hd)
     q = f32(((np.arange(kv_heads * hpk * hd) * 11 + 5) % 83) / 83.0 - 0.5).reshape(kv_heads * hpk, hd)
@@ -374,13 +374,13 @@ def test_born_eviction_keeps_high_mass_position(backend, check):
     check.exact("gather_rows", layer.imp, f32([0.05, 5.0, 0.05, 0.05]), "importance follows its rows")
 
 
-def test_swa_trim_keeps_contiguous_tail(backend, check):
+def test_sliding_window_trim_keeps_a_contiguous_tail(backend, check):
     nkv, hd, w, slack, align = 2, 8, 6, 2, 4
     alive = [True, False]
     full, t = lay(backend, nkv, hd), lay(backend, nkv, hd)
     trims = 0
     for p in range(100):
-        k, v = swa_row(p, nkv * hd, 1), swa_row(p, nkv * hd, 2)
+        k, v = pseudo_random_row(p, nkv * hd, 1), pseudo_random_row(p, nkv * hd, 2)
         full.append(k, v, alive)
         t.append(k, v, alive)
         if t.trim_window(w, slack, align) > 0:
@@ -394,11 +394,11 @@ def test_swa_trim_keeps_contiguous_tail(backend, check):
     assert trims > 5 and t.tail_window == w and full.tail_window is None
 
 
-def test_swa_anchored_trim_keeps_the_rollback_window(backend, check):
+def test_sliding_window_anchored_trim_keeps_the_rollback_window(backend, check):
     nkv, hd, w, slack, align, anchor = 1, 4, 6, 2, 4, 40
     full, t = lay(backend, nkv, hd), lay(backend, nkv, hd)
     for p in range(100):
-        k, v = swa_row(p, nkv * hd, 1), swa_row(p, nkv * hd, 2)
+        k, v = pseudo_random_row(p, nkv * hd, 1), pseudo_random_row(p, nkv * hd, 2)
         full.append(k, v)
         t.append(k, v)
         t.trim_window_anchored(w, slack, align, anchor)
@@ -410,22 +410,22 @@ def test_swa_anchored_trim_keeps_the_rollback_window(backend, check):
     check.exact("trim_window", t.head_keys(0), full.head_keys(0)[t.base:], "keys after rollback")
     check.exact("trim_window", t.head_values(0), full.head_values(0)[t.base:], "values after rollback")
     for p in range(back, back + 3 * w):
-        t.append(swa_row(p, nkv * hd, 1), swa_row(p, nkv * hd, 2))
+        t.append(pseudo_random_row(p, nkv * hd, 1), pseudo_random_row(p, nkv * hd, 2))
         t.trim_window_anchored(w, slack, align, None)
     assert t.seq_len <= 2 * w
 
 
 @pytest.mark.parametrize("mode", [KvMode.F32, KvMode.Q8_2F], ids=lambda m: m.value)
 @pytest.mark.parametrize("w,slack,align", [(40, 2, 4), (37, 5, 16), (64, 64, 64)])
-def test_swa_trimmed_attend_equals_untrimmed(backend, check, mode, w, slack, align):
+def test_sliding_window_trimmed_attend_equals_untrimmed(backend, check, mode, w, slack, align):
     nkv, hd, hpk = 2, 16, 2
     full, t = lay(backend, nkv, hd, mode), lay(backend, nkv, hd, mode)
     trims = 0
     for p in range(400):
-        k, v = swa_row(p, nkv * hd, 3), swa_row(p, nkv * hd, 4)
+        k, v = pseudo_random_row(p, nkv * hd, 3), pseudo_random_row(p, nkv * hd, 4)
         full.append(k, v)
         t.append(k, v)
-        q = swa_row(p, nkv * hpk * hd, 5).reshape(nkv * hpk, hd)
+        q = pseudo_random_row(p, nkv * hpk * hd, 5).reshape(nkv * hpk, hd)
         for g in range(nkv):
             qg = q[g * hpk:(g + 1) * hpk]
             nf, nt = full.head_len(g), t.head_len(g)
@@ -442,14 +442,14 @@ def test_swa_trimmed_attend_equals_untrimmed(backend, check, mode, w, slack, ali
     assert trims > 0, f"{mode.value} w {w}: never trimmed"
 
 
-def test_swa_truncate_after_trim(backend, check):
+def test_sliding_window_truncate_after_trim(backend, check):
     nkv, hd, w = 1, 8, 10
     full, t = lay(backend, nkv, hd), lay(backend, nkv, hd)
     p = 0
     for rnd in range(60):
         for _ in range(3):
-            full.append(swa_row(p, hd, 6), swa_row(p, hd, 7))
-            t.append(swa_row(p, hd, 6), swa_row(p, hd, 7))
+            full.append(pseudo_random_row(p, hd, 6), pseudo_random_row(p, hd, 7))
+            t.append(pseudo_random_row(p, hd, 6), pseudo_random_row(p, hd, 7))
             p += 1
         t.trim_window(w, 2, 4)
         full.truncate_last(2)
@@ -457,11 +457,11 @@ def test_swa_truncate_after_trim(backend, check):
         p -= 2
         assert t.pos_len == full.seq_len
         for _ in range(2):
-            k, v = swa_row(p, hd, 8 + rnd), swa_row(p, hd, 9 + rnd)
+            k, v = pseudo_random_row(p, hd, 8 + rnd), pseudo_random_row(p, hd, 9 + rnd)
             full.append(k, v)
             t.append(k, v)
             p += 1
-        q = swa_row(p, hd, 10)
+        q = pseudo_random_row(p, hd, 10)
         nf, nt = full.head_len(0), t.head_len(0)
         of = full.attend_group(q, 0, scale=0.5, first=nf - min(w, nf))
         ot = t.attend_group(q, 0, scale=0.5, first=nt - min(w, nt))
@@ -470,17 +470,17 @@ def test_swa_truncate_after_trim(backend, check):
 
 
 @pytest.mark.parametrize("policy", [EvictionPolicy.Recent, EvictionPolicy.Born(sink=1)], ids=["recent", "born"])
-def test_swa_evict_skips_tail(backend, policy):
+def test_sliding_window_evict_skips_the_tail(backend, policy):
     c = KvCache(2, 1, 4, 30, policy, mode="f32", backend=backend)
     for p in range(25):
         for layer in c.layers:
-            layer.append(swa_row(p, 4, 1), swa_row(p, 4, 2))
+            layer.append(pseudo_random_row(p, 4, 1), pseudo_random_row(p, 4, 2))
         c.layers[0].trim_window(8, 2, 4)
     t_rows, t_base = c.layers[0].seq_len, c.layers[0].base
     assert t_base > 0 and not c.needs_eviction()
     for p in range(25, 30):
         for layer in c.layers:
-            layer.append(swa_row(p, 4, 1), swa_row(p, 4, 2))
+            layer.append(pseudo_random_row(p, 4, 1), pseudo_random_row(p, 4, 2))
     assert c.needs_eviction()
     gen0 = c.layers[0].generation
     c.evict(10)
@@ -489,18 +489,18 @@ def test_swa_evict_skips_tail(backend, policy):
     assert c.layers[1].seq_len == 10 and c.seq_len == 30
 
 
-def test_swa_gen_bumps(backend):
+def test_generation_changes_exactly_when_storage_is_replaced_or_moved(backend):
     layer = lay(backend, 1, 4)
     g0 = layer.generation
     assert lay(backend, 1, 4).generation != g0, "fresh caches differ"
     for p in range(20):
-        layer.append(swa_row(p, 4, 1), swa_row(p, 4, 2))
+        layer.append(pseudo_random_row(p, 4, 1), pseudo_random_row(p, 4, 2))
     assert layer.generation == g0, "append"
     layer.truncate_last(2)
     assert layer.generation == g0, "truncate_last"
     assert layer.trim_window(10, 2, 4) == 0 and layer.generation == g0, "a no-op trim"
     for p in range(18, 21):
-        layer.append(swa_row(p, 4, 1), swa_row(p, 4, 2))
+        layer.append(pseudo_random_row(p, 4, 1), pseudo_random_row(p, 4, 2))
     assert layer.trim_window(10, 2, 4) > 0
     g1 = layer.generation
     assert g1 != g0, "trim"
@@ -510,7 +510,7 @@ def test_swa_gen_bumps(backend):
     assert (layer.base, layer.pos_len, layer.tail_window) == (0, 0, 10)
     e = lay(backend, 1, 4)
     for p in range(12):
-        e.append(swa_row(p, 4, 1), swa_row(p, 4, 2))
+        e.append(pseudo_random_row(p, 4, 1), pseudo_random_row(p, 4, 2))
     ge = e.generation
     e.evict(20)
     assert e.generation == ge, "an eviction that does nothing"
@@ -525,15 +525,15 @@ def test_swa_gen_bumps(backend):
     assert i.generation != gi and i.generation != snap_gen, "an import is new storage"
 
 
-def test_wire_full_tail_roundtrip(backend, check):
+def test_wire_full_tail_record_round_trips(backend, check):
     nkv, hd, w = 2, 4, 6
     a = lay(backend, nkv, hd)
     for p in range(5):
-        a.append(swa_row(p, nkv * hd, 1), swa_row(p, nkv * hd, 2))
+        a.append(pseudo_random_row(p, nkv * hd, 1), pseudo_random_row(p, nkv * hd, 2))
     plain = a.export_wire(False)
     assert plain[20] == WireKind.Full and int.from_bytes(plain[24:32], "little") == 5
     for p in range(5, 40):
-        a.append(swa_row(p, nkv * hd, 1), swa_row(p, nkv * hd, 2))
+        a.append(pseudo_random_row(p, nkv * hd, 1), pseudo_random_row(p, nkv * hd, 2))
         a.trim_window(w, 2, 4)
     assert a.base > 0
     for f16 in (False, True):
@@ -543,7 +543,7 @@ def test_wire_full_tail_roundtrip(backend, check):
         b.import_wire(blob)
         assert (b.base, b.seq_len, b.pos_len) == (a.base, a.seq_len, 40)
         if not f16:
-            q = swa_row(99, 2 * hd, 3).reshape(2, hd)
+            q = pseudo_random_row(99, 2 * hd, 3).reshape(2, hd)
             for g in range(nkv):
                 n = a.head_len(g)
                 oa = a.attend_group(q, g, scale=0.5, first=n - w)
