@@ -1,5 +1,5 @@
 """The installed conformance suite runs on a third-party backend installed
-outside the repository (issue 19 item 5): kvreg (from a copy of its sources)
+outside the repository: kvreg (from a copy of its sources)
 and examples/toy_backend, the backend of docs/writing-a-backend.md (its
 ``kvreg`` entry point and its own xfail list as package data), are
 pip-installed into a temporary folder, and ``pytest --pyargs kvreg.conformance
