@@ -131,6 +131,7 @@ def xfail_lists(name: str, cls: type | None) -> list[tuple[str, list[tuple[str, 
     spec = getattr(cls, "conformance_xfail", None) if cls is not None else None  # TODO typed attribute
     if spec:
         lists.append((spec, read_xfail_resource(spec)))
+        _STATE.setdefault("resources", set()).add(spec)
     return lists
 
 
@@ -156,11 +157,12 @@ def pytest_collection_modifyitems(config, items):
                for pattern, reason in found]
     used = set()
     for item in items:
-        for source, pattern, reason in entries:
-            if _matches(pattern, item):
-                item.add_marker(pytest.mark.xfail(reason=f"{Path(source).name}: {reason}", strict=False))
-                used.add((source, pattern))
-                break
+        hits = [e for e in entries if _matches(e[1], item)]
+        if hits:   # the first entry that matches gives the reason; every one that matches is in use
+            source, _, reason = hits[0]
+            label = source if source in _STATE.get("resources", ()) else Path(source).name
+            item.add_marker(pytest.mark.xfail(reason=f"{label}: {reason}", strict=False))
+            used.update((s, p) for s, p, _ in hits)
     # tryfirst: -k / -m deselection has not run yet, so an entry is judged
     # stale against every collected case, not against this run's selection.
     _STATE["stale_entries"] = [(s, p, r) for s, p, r in entries if (s, p) not in used]
