@@ -3,7 +3,7 @@ installed once from the model header; nothing is stored per position."""
 
 from __future__ import annotations
 
-from .bounded import BoundedSnapshot, BoundedState, check_bounded_attend_args
+from .bounded import BoundedSnapshot, BoundedState, check_bounded_attend_args, ring_view
 from .errors import StateError
 
 
@@ -34,11 +34,11 @@ class BoundedMixin:
         if b is None:
             raise StateError("bounded_step on a layer without an installed ring (install_bounded)")
         # Validate against the ring as it will be after the insert.
-        check_bounded_attend_args(q, b.ring_k, b.ring_v, b.seen + 1, weights.sink_k, weights.sink_v,
-                                  weights.group_windows, rope, scale, num_heads)
+        after = ring_view(b.ring_k, b.ring_v, b.seen + 1, weights.sink_k, weights.sink_v,
+                          weights.group_windows, rope)
+        check_bounded_attend_args(q, after, scale, num_heads)
         b.insert(k, v)
-        out = self.backend.bounded_attend(q, b.ring_k, b.ring_v, b.seen, weights.sink_k, weights.sink_v,
-                                          weights.group_windows, rope, scale, num_heads)
+        out = self.backend.bounded_attend(q, b.view(weights, rope), scale=scale, num_heads=num_heads)
         # The honest context depth for the memory/seq report.
         self._seq_len += 1
         return out

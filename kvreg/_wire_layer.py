@@ -218,7 +218,7 @@ class WireMixin:
             except KvregError as e:
                 raise self._conversion_error(rec, rows, p0, p1, alive, e) from None
         fresh = tmp._st
-        fresh._imp[: rec.imp.shape[0]] = rec.imp
+        fresh.set_importance(rec.imp)
         rec._kvreg_converted = (self, self._st.mode, fresh)
         return fresh
 
@@ -251,19 +251,9 @@ class WireMixin:
             return memo[2]
         s = rec.storage
         fresh = self._new_storage(self.mode)
-        fresh.reserve(max(int(s.lens.max(initial=0)), rec.seq_len))
-        for b in s.blocks:
-            dst = getattr(fresh, b.spec.name)
-            if b.spec.rows is RowClass.HEAD:
-                dst[...] = b.data
-                continue
-            for h, a in enumerate(b.data):
-                if a.shape[0]:
-                    dst[h, : a.shape[0]] = a
-        fresh.lens[:] = s.lens
-        fresh.xlen[:] = s.xlen
-        fresh._imp[: rec.imp.shape[0]] = rec.imp
-        fresh.seq_len = rec.seq_len
+        fresh.load({b.spec.name: b.data for b in s.blocks if b.spec.rows is not RowClass.HEAD},
+                   s.lens, rec.seq_len, rec.imp, xlen=s.xlen,
+                   head_blocks={b.spec.name: b.data for b in s.blocks if b.spec.rows is RowClass.HEAD})
         rec._kvreg_storage = (self, self._st.mode, fresh)
         return fresh
 
@@ -301,20 +291,12 @@ class WireMixin:
             fresh = self._converted(rec)
             self.linear_state = rec.linear_state
         elif rec.kind in (WireKind.Full, WireKind.FullTail):
-            rows = max((a.shape[0] for a in rec.k), default=0)
             # A record of positions with no row and no importance (a depth
             # counter) gets zero mass per position: the storage then counts
             # the same positions as the layer, so appends, export and
             # eviction keep working on it.
-            fresh.reserve(max(rows, rec.seq_len))
-            for h in range(self.num_kv_heads):
-                n = rec.k[h].shape[0]
-                if n:
-                    fresh.k[h, :n] = rec.k[h]
-                    fresh.v[h, :n] = rec.v[h]
-                fresh.lens[h] = n
-            fresh._imp[: rec.imp.shape[0]] = rec.imp
-            fresh.seq_len = rec.seq_len
+            fresh.load({"k": rec.k, "v": rec.v}, np.array([a.shape[0] for a in rec.k], np.int64),
+                       rec.seq_len, rec.imp)
             self.linear_state = rec.linear_state
         elif rec.kind == WireKind.Linear:
             self.linear_state = rec.linear_state

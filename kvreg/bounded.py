@@ -22,6 +22,7 @@ within the attention tolerance class.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvreg.errors import ConfigError, ShapeError, StateError
+from kvreg.plugin import RingView, readonly
 
 __all__ = [
     "BoundedRope",
@@ -37,6 +39,7 @@ __all__ = [
     "BoundedWeights",
     "bounded_attend",
     "check_bounded_attend_args",
+    "ring_view",
 ]
 
 
@@ -46,6 +49,12 @@ MAX_WINDOW = 2**31 - 1
 #: Ring positions are RoPE angles ``position * inv_freq`` in float64, exact
 #: only up to 2**53 (the layer's ``MAX_POSITION``).
 MAX_SEEN = 2**53
+
+_VERSIONS = itertools.count(1)
+
+
+def _next_version() -> int:
+    return next(_VERSIONS)
 
 
 def _count(value, name: str, *, minimum: int, maximum: int = 2**63 - 1) -> int:
@@ -282,6 +291,25 @@ class BoundedState:
             raise ConfigError(f"bounded undo buffer {ushape} float32 does not fit in memory") from None
         self._undo_len = 0
         self._seen = 0
+        # RingView versions: every mutation moves ``_version``; one that is not
+        # an insert (rollback, restore, load, clear) moves ``_reset`` too.
+        self._version = self._reset = _next_version()
+
+    def _touch(self, reset: bool) -> None:
+        self._version = _next_version()
+        if reset:
+            self._reset = self._version
+
+    @property
+    def version(self) -> int:
+        """Moves on every mutation of the ring (a device mirror's key)."""
+        return self._version
+
+    def view(self, weights: "BoundedWeights", rope: "BoundedRope") -> RingView:
+        """The ring at this version with what attending it needs, read-only."""
+        return ring_view(self.ring_k, self.ring_v, self._seen, weights.sink_k, weights.sink_v,
+                         weights.group_windows, rope, owner=self, version=self._version,
+                         reset_version=self._reset)
 
     @property
     def seen(self) -> int:
@@ -320,6 +348,7 @@ class BoundedState:
         self.ring_k[:, slot] = k32
         self.ring_v[:, slot] = v32
         self._seen += 1
+        self._touch(False)
 
     def rollback(self, d: int) -> int:
         """Undo the last ``min(d, undo_available)`` inserts bit for bit; returns that count."""
@@ -331,6 +360,8 @@ class BoundedState:
             self.ring_k[:, slot] = self._undo_k[u]
             self.ring_v[:, slot] = self._undo_v[u]
         self._undo_len -= n
+        if n:
+            self._touch(True)
         return n
 
     def reset_undo(self) -> None:
@@ -373,6 +404,7 @@ class BoundedState:
         np.copyto(self._undo_v, snap.undo_v)
         self._undo_len = snap.undo_len
         self._seen = snap.seen
+        self._touch(True)
 
     def load(self, ring_k, ring_v, seen: int) -> None:
         """Overwrite the rings and ``seen`` (wire import), in place; undo is reset.
@@ -388,6 +420,7 @@ class BoundedState:
         np.copyto(self.ring_v, v32)
         self._seen = seen
         self.reset_undo()
+        self._touch(True)
 
     def same_state(self, other: BoundedState) -> bool:
         """Geometry, ``seen`` and both rings equal bit for bit (undo rows not compared)."""
@@ -408,6 +441,7 @@ class BoundedState:
         self._undo_v.fill(0.0)
         self._undo_len = 0
         self._seen = 0
+        self._touch(True)
 
     def state_bytes(self) -> int:
         """Bytes owned: both rings plus the undo buffer's capacity (constant in tokens)."""
@@ -425,19 +459,16 @@ class BoundedState:
             raise ConfigError(
                 f"BoundedState.attend: expected BoundedWeights, got {type(weights).__name__}"
             )
-        return bounded_attend(
-            q, self.ring_k, self.ring_v, self._seen, weights.sink_k, weights.sink_v,
-            weights.group_windows, rope, scale, num_heads,
-        )
+        return bounded_attend(q, self.view(weights, rope), scale=scale, num_heads=num_heads)
 
 
-def check_bounded_attend_args(
-    q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads
-):
-    """Validate :func:`bounded_attend`'s arguments (shared with backends).
-
-    Returns ``(q32 [nh, hd], sink_k [kvh, sink, hd], sink_v, windows tuple, scale float)``.
-    """
+def ring_view(ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, *, owner: object = None,
+              version: int | None = None, reset_version: int | None = None) -> RingView:
+    """A validated :class:`~kvreg.plugin.RingView` (what ``bounded_attend``
+    kernels read): ``ring_k``/``ring_v`` float32 ``[kvh, window, hd]``,
+    ``seen >= 1`` tokens inserted, sinks ``[kvh, sink, hd]`` (any empty array:
+    none), ``group_windows`` ``kvh`` ints in ``[1, window]``. Without
+    ``version`` the view is new state (a fresh version, its own reset)."""
     for name, r in (("ring_k", ring_k), ("ring_v", ring_v)):
         ok = isinstance(r, np.ndarray) and r.dtype == np.float32 and r.ndim == 3
         if not ok or r.shape[1] < 1:
@@ -450,22 +481,9 @@ def check_bounded_attend_args(
     seen = _count(seen, "bounded attend seen", minimum=0, maximum=MAX_SEEN)
     if seen == 0:
         raise StateError("bounded attend: the ring is empty (insert the token before attending it)")
-    num_heads = _count(num_heads, "bounded attend num_heads", minimum=1)
-    if num_heads % kvh:
-        raise ConfigError(
-            f"bounded attend: num_heads {num_heads} is not a multiple of num_kv_heads {kvh}"
-        )
     if not isinstance(rope, BoundedRope):
         raise ConfigError(f"bounded attend: expected a BoundedRope, got {type(rope).__name__}")
     rope.dims(hd)
-    number = isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool)
-    try:
-        with np.errstate(over="ignore"):  # the kernels scale in float32: 1e39 would be inf
-            finite32 = number and bool(np.isfinite(np.float32(float(scale))))
-    except OverflowError:   # an int past float64
-        finite32 = False
-    if not finite32:
-        raise ConfigError(f"bounded attend: scale must be a number finite in float32, got {scale!r}")
     try:
         gws = tuple(group_windows)
     except TypeError:
@@ -489,13 +507,36 @@ def check_bounded_attend_args(
         sv = _f32_rows(sv, (kvh, sink, hd), "bounded attend sink_v")
     else:  # no sinks: any empty array will do, whatever hd it was built for
         sk = sv = np.zeros((kvh, 0, hd), np.float32)
-    q32 = _f32_rows(q, (num_heads, hd), "bounded attend q")
-    return q32, sk, sv, gws, float(scale)
+    if version is None:
+        version = reset_version = _next_version()
+    return RingView(k=readonly(ring_k), v=readonly(ring_v), seen=seen, sink_k=readonly(sk), sink_v=readonly(sv),
+                    group_windows=tuple(int(w) for w in gws), rope=rope, owner=owner, version=version,
+                    reset_version=version if reset_version is None else reset_version)
 
 
-def bounded_attend(
-    q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads
-) -> np.ndarray:
+def check_bounded_attend_args(q, ring: RingView, scale, num_heads) -> tuple[np.ndarray, float]:
+    """Validate a bounded attend's query and parameters against ``ring``
+    (shared with backends): ``(q32 [num_heads, hd], scale float)``."""
+    if not isinstance(ring, RingView):
+        raise ConfigError(f"bounded attend: expected a RingView (kvreg.bounded.ring_view), got {type(ring).__name__}")
+    kvh, _, hd = ring.k.shape
+    num_heads = _count(num_heads, "bounded attend num_heads", minimum=1)
+    if num_heads % kvh:
+        raise ConfigError(
+            f"bounded attend: num_heads {num_heads} is not a multiple of num_kv_heads {kvh}"
+        )
+    number = isinstance(scale, (int, float, np.floating)) and not isinstance(scale, bool)
+    try:
+        with np.errstate(over="ignore"):  # the kernels scale in float32: 1e39 would be inf
+            finite32 = number and bool(np.isfinite(np.float32(float(scale))))
+    except OverflowError:   # an int past float64
+        finite32 = False
+    if not finite32:
+        raise ConfigError(f"bounded attend: scale must be a number finite in float32, got {scale!r}")
+    return _f32_rows(q, (num_heads, hd), "bounded attend q"), float(scale)
+
+
+def bounded_attend(q, ring: RingView, *, scale: float, num_heads: int) -> np.ndarray:
     """Reference bounded attention; returns float32 ``[num_heads, hd]``. Pure.
 
     Q head ``h`` reads KV group ``g = h // (num_heads // kvh)``. The query is
@@ -506,9 +547,9 @@ def bounded_attend(
     ``seen - n_g .. seen - 1``), softmax in float32 with the max subtracted,
     and returns ``sum p * v`` over the same rows.
     """
-    q32, sk, sv, gws, scale = check_bounded_attend_args(
-        q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads
-    )
+    q32, scale = check_bounded_attend_args(q, ring, scale, num_heads)
+    ring_k, ring_v, seen, sk, sv, gws, rope = (ring.k, ring.v, ring.seen, ring.sink_k, ring.sink_v,
+                                               ring.group_windows, ring.rope)
     kvh, window, hd = ring_k.shape
     hpk = q32.shape[0] // kvh
     qpos = seen - 1

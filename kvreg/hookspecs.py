@@ -19,7 +19,7 @@ hookimpl = pluggy.HookimplMarker("kvreg")
 def kvreg_register_backends(register: Callable[[type], None]) -> None:
     """Hand each backend class of this plugin to ``register``.
 
-    ``register(cls)`` takes a subclass of :class:`kvreg.backend.Backend`
+    ``register(cls)`` takes a subclass of :class:`kvreg.plugin.Backend`
     whose ``name`` is unique among installed backends. Registration must be
     cheap and must not import heavy dependencies (numba, pyopencl): import
     them when the backend is instantiated, and raise

@@ -1,7 +1,7 @@
 """`LayerKvCache`: one layer's KV cache with the seed's full surface.
 
 Storage is head-major (:mod:`kvreg.storage`), attention runs on the layer's
-backend (:mod:`kvreg.backend`). Every public method validates its arguments
+backend (:mod:`kvreg.plugin`). Every public method validates its arguments
 first and mutates only after: a refused call leaves the layer as it was.
 """
 
@@ -22,7 +22,7 @@ from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
 from ._wire_layer import WireMixin
-from .storage import LayerStorage, next_generation
+from .storage import LayerStorage
 from .wire import WireKind
 
 
@@ -66,7 +66,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     ``num_kv_heads`` heads of ``head_dim`` channels. ``mode`` None reads
     ``KVREG_KV``; ``backend`` None reads ``KVREG_BACKEND``/``KVREG_DEVICE``
-    (a name or a :class:`~kvreg.backend.Backend` instance also work).
+    (a name or a :class:`~kvreg.plugin.Backend` instance also work).
     ``q8_exact_rows``: under q8, the first rows of each head (the attention
     sinks) are also kept in float32 and attended exactly (see
     :mod:`kvreg.storage`); 0 gives the seed's storage exactly.
@@ -339,7 +339,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         next append)."""
         st = self._st
         if st.window and k.shape[0] > 1 and heads.size == self.num_kv_heads and (st.lens == st.lens[0]).all():
-            self._fresh = (st.generation, st.edits, int(st.lens[0]),
+            self._fresh = (st.version, int(st.lens[0]),
                            np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(v.transpose(1, 0, 2)))
 
     def _store(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
@@ -367,7 +367,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                         continue
                     where, leaving = st.push_window(side, heads, x)
                     if leaving.shape[0]:
-                        q, sc = self.backend.quantize_rows(leaving, None, group)
+                        q, sc = self.backend.quantize_rows(leaving, None, group=group)
                         st.write_quantized(side, where, q, sc)
                 st.advance_window(heads, n)
                 st.append(rows, heads, n, exact)
@@ -375,7 +375,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 return
             if mode.quant_k:
                 col = _field_rows(st.kcol, st.kcol_set, heads, n)
-                kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, KV_K_GROUP)
+                kq, ks = self.backend.quantize_rows(np.ascontiguousarray(kh).reshape(-1, hd), col, group=KV_K_GROUP)
                 rows["kq"], rows["ks"] = kq.reshape(heads.size, n, hd), ks.reshape(heads.size, n, -1)
                 if t:
                     exact["xk"] = _field_space(kh[:, :t], st.kcol, st.kcol_set, heads)
@@ -385,7 +385,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 rows["k"] = kh
             if mode.quant_v:
                 col = _field_rows(st.vcol, st.vcol_set, heads, n)
-                vq, vs = self.backend.quantize_rows(np.ascontiguousarray(vh).reshape(-1, hd), col, hd)
+                vq, vs = self.backend.quantize_rows(np.ascontiguousarray(vh).reshape(-1, hd), col, group=hd)
                 rows["vq"], rows["vs"] = vq.reshape(heads.size, n, hd), vs.reshape(heads.size, n)
                 if t:
                     exact["xv"] = _field_space(vh[:, :t], st.vcol, st.vcol_set, heads)
@@ -418,30 +418,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """Freeze the 2f field: col = RMS per channel over the stored
         (dequantized) rows; every stored row is requantized against it, and
         the exact rows move into field space (divided by it)."""
-        st = self._st
-        hd = self.head_dim
-        for h in range(self.num_kv_heads):
-            n = int(st.lens[h])
-            if n == 0:
-                continue
-            for quantized, qb, sb, colb, setb, group, x in (
-                (st.mode.quant_k, "kq", "ks", st.kcol, st.kcol_set, KV_K_GROUP, st.xk),
-                (st.mode.quant_v, "vq", "vs", st.vcol, st.vcol_set, hd, st.xv),
-            ):
-                if not quantized:
-                    continue
-                q, s = getattr(st, qb), getattr(st, sb)
-                sc = s[h, :n] if s.ndim == 3 else s[h, :n, None]
-                col, nq, ns = self.backend.freeze_field(q[h, :n], np.ascontiguousarray(sc), group)
-                q[h, :n] = nq
-                if s.ndim == 3:
-                    s[h, :n] = ns
-                else:
-                    s[h, :n] = ns[:, 0]
-                colb[h] = col
-                setb[h] = True
-                if x is not None:
-                    x[h, : st.xlen[h]] /= col
+        self._st.freeze(self.backend.freeze_field)
 
     # ── attention ──
 
@@ -462,7 +439,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """``kernel(q, st, ...)``, in the rotated basis where the rows are (the
         quantized sides of q8, q8k, q8v and q4): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and
         ``H Σ p Hv = Σ p v`` (H is its own inverse)."""
-        out = kernel(fwht(q) if st.rot_k else q, st, *args, **kwargs)
+        out = kernel(fwht(q) if st.rot_k else q, st.view(), *args, **kwargs)
         return fwht(out) if st.rot_v else out
 
     def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
@@ -547,37 +524,37 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             # A window past every row reads them all: clamped (as attend_layer).
             window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
-        native_q8 = self.mode.quantized and not self._st.window and getattr(self.backend, "native_q8_chunk", False)
+        native_q8 = self.mode.quantized and not self._st.window and self.backend.native_q8_chunk
         if self.mode is KvMode.F32 or native_q8:
-            return self.backend.attend_chunk(q, self._st, s0=s0, b=b, hpk=heads_per_kv, scale=scale,
+            return self.backend.attend_chunk(q, self._st.view(), s0=s0, b=b, hpk=heads_per_kv, scale=scale,
                                              window=window, imp=self._st.imp)
         # q8, q4, f16, bf16: widen only the key range the chunk reads, once per call; the
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
-        view = self._dequantized_view(lo, n)
+        k, v = self._widened_rows(lo, n)
         f = self._fresh
-        st = self._st
-        if f is not None and (f[0], f[1], f[2]) == (st.generation, st.edits, n):
+        if f is not None and (f[0], f[1]) == (self._st.version, n):
             # The chunk's own rows as it handed them over (vLLM's prefill, too,
             # attends the fresh K/V and quantizes them for the cache): under a
             # float16 window the newest rows are near-exact, and a prefill
             # chunk's rows are all the newest.
-            a = max(lo, n - f[3].shape[1])
-            view.k[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
-            view.v[:, a - lo: n - lo] = f[4][:, a - (n - f[4].shape[1]):]
+            a = max(lo, n - f[2].shape[1])
+            k[:, a - lo: n - lo] = f[2][:, a - (n - f[2].shape[1]):]
+            v[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
+        view = LayerStorage.of_rows(k, v).view()
         return self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
                                          imp=self._st.imp[lo:])
 
-    def _dequantized_view(self, lo: int, n: int) -> LayerStorage:
-        """An F32 storage holding this layer's rows ``[lo, n)`` dequantized."""
-        src = self._st
-        view = LayerStorage(self.num_kv_heads, self.head_dim, KvMode.F32)
-        view.reserve(n - lo)
+    def _widened_rows(self, lo: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """This layer's rows ``[lo, n)`` as float32 ``[nkv, n-lo, hd]`` K and V
+        (dequantized, widened, un-rotated)."""
+        src = self._st.view()
+        shape = (self.num_kv_heads, n - lo, self.head_dim)
+        k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
         for h in range(self.num_kv_heads):
-            view.k[h, : n - lo] = _basis(src.rot_k, src.attended_rows("k", h, lo, n))
-            view.v[h, : n - lo] = _basis(src.rot_v, src.attended_rows("v", h, lo, n))
-        view.lens[:] = n - lo
-        return view
+            k[h] = _basis(src.rot_k, src.attended_rows("k", h, lo, n))
+            v[h] = _basis(src.rot_v, src.attended_rows("v", h, lo, n))
+        return k, v
 
     def accumulate_imp(self, probs) -> None:
         """Add attention mass per stored row (the shorter length wins, as a zip)."""
@@ -771,7 +748,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return (self._kv_amax[0], self._kv_amax[1])
 
     def _new_generation(self) -> None:
-        self._st.generation = next_generation()
+        self._st.renew_generation()
 
     def __repr__(self) -> str:
         return (f"LayerKvCache(heads={self.num_kv_heads}, hd={self.head_dim}, mode={self.mode.value}, "

@@ -115,7 +115,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -186,7 +186,7 @@ def o1_deferred_boundary(w: int, sink: int, m: int) -> int:
     return int(w) + int(sink) + int(m) + 1
 
 
-@dataclass
+@dataclass(frozen=True)
 class FarField:
     """The landmark state of one KV group (all float64, see the module doc).
 
@@ -418,26 +418,29 @@ def nystrom_prefill(probes: np.ndarray, k_far: np.ndarray, v_far: np.ndarray,
     return c, z, theta
 
 
-def absorb_pooled(far: FarField, v_row: np.ndarray) -> None:
-    """The pooled half of an absorb, in place: the row joins the last
-    segment (``count``, ``vsum``; the segment keeps its key) and the value
-    box (``vlo``, ``vhi``). O(hd), shared by every backend's
+def absorb_pooled(far: FarField, v_row: np.ndarray) -> dict:
+    """The pooled half of an absorb: the row joins the last segment
+    (``count``, ``vsum``; the segment keeps its key) and the value box
+    (``vlo``, ``vhi``). Returns the new arrays (empty without the prior) for
+    :func:`dataclasses.replace`. O(hd), shared by every backend's
     ``nystrom_absorb`` (whose probe half subtracts the row's pooled stand-in
-    from the residuals); nothing without the prior."""
-    if far.pooled:
-        v64 = v_row.astype(np.float64)
-        far.count[-1] += 1.0
-        far.vsum[-1] += v64
-        np.minimum(far.vlo, v64, out=far.vlo)
-        np.maximum(far.vhi, v64, out=far.vhi)
+    from the residuals)."""
+    if not far.pooled:
+        return {}
+    v64 = v_row.astype(np.float64)
+    count, vsum = far.count.copy(), far.vsum.copy()
+    count[-1] += 1.0
+    vsum[-1] += v64
+    return dict(count=count, vsum=vsum, vlo=np.minimum(far.vlo, v64), vhi=np.maximum(far.vhi, v64))
 
 
-def nystrom_absorb(far: FarField, k_row: np.ndarray, v_row: np.ndarray, scale: float) -> None:
-    """Fold one row (leaving the window) into the far sums, in place:
-    O(p·hd) per head. ``k_row``, ``v_row [hd]``. With the pooling prior the
-    sums are residuals: the row adds its kernel value minus that of its pooled
-    stand-in, the last segment's key (``last_logit <= c``: a mean key's logit
-    is at most the largest logit of its segment, so no exponent is positive)."""
+def nystrom_absorb(far: FarField, k_row: np.ndarray, v_row: np.ndarray, scale: float) -> FarField:
+    """The far field with one more row (leaving the window) folded into its
+    sums, O(p·hd) per head; ``far`` is not modified. ``k_row``, ``v_row
+    [hd]``. With the pooling prior the sums are residuals: the row adds its
+    kernel value minus that of its pooled stand-in, the last segment's key
+    (``last_logit <= c``: a mean key's logit is at most the largest logit of
+    its segment, so no exponent is positive)."""
     k64 = k_row.astype(np.float64)
     logits = scale * (far.probes @ k64)  # [hpk, p]
     c_new = np.maximum(far.c, logits)
@@ -445,13 +448,11 @@ def nystrom_absorb(far: FarField, k_row: np.ndarray, v_row: np.ndarray, scale: f
     beta = np.exp(logits - c_new)
     if far.pooled:
         beta = beta - np.exp(far.last_logit - c_new)
-    far.z *= alpha
-    far.z += beta
-    far.theta *= alpha[:, :, None]
-    far.theta += beta[:, :, None] * v_row.astype(np.float64)[None, None, :]
-    far.c = c_new
-    absorb_pooled(far, v_row)
-    far.rows += 1
+    z = far.z * alpha
+    z += beta
+    theta = far.theta * alpha[:, :, None]
+    theta += beta[:, :, None] * v_row.astype(np.float64)[None, None, :]
+    return replace(far, c=c_new, z=z, theta=theta, rows=far.rows + 1, **absorb_pooled(far, v_row))
 
 
 def nystrom_parts(q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
@@ -670,7 +671,7 @@ class NystromState:
         probes = segment_means(q[:, lo:hi], n_seg)
         if m_eff > n_seg:
             probes = np.concatenate([probes, recent_queries(q, m_eff - n_seg)], axis=1)
-        c, z, theta = self.kernels.nystrom_prefill(probes, kf, vf, self.scale)
+        c, z, theta = self.kernels.nystrom_prefill(probes, kf, vf, scale=self.scale)
         nu = probe_log_den(probes, k_exact, c, z, self.scale)
         m_hat = far_fit(probes, k_tilde, nu, self.scale, self.rcond)
         # the pooling prior W₀, and the probes' residuals E = F̂ − Φ·W₀ (in
@@ -730,7 +731,8 @@ class NystromState:
         else:
             slot = self._ring + self.win_head
             if self.far is not None:
-                self.kernels.nystrom_absorb(self.far, self.exact_k[slot], self.exact_v[slot], self.scale)
+                self.far = self.kernels.nystrom_absorb(self.far, self.exact_k[slot], self.exact_v[slot],
+                                                       scale=self.scale)
             else:
                 self.dropped += 1
             self.exact_k[slot], self.exact_v[slot] = k_row, v_row
@@ -742,7 +744,7 @@ class NystromState:
         ``out [hpk, hd]`` float32."""
         (q,) = self._check_step(q_group)
         ke, ve = self.exact_rows()
-        return self.kernels.nystrom_step(q, ke, ve, self.far, self.scale)
+        return self.kernels.nystrom_step(q, ke, ve, self.far, scale=self.scale)
 
     def step_group(self, q_group: np.ndarray, k_new: np.ndarray, v_new: np.ndarray) -> np.ndarray:
         """One decode token: insert ``(k_new, v_new) [hd]`` into the window
@@ -752,7 +754,7 @@ class NystromState:
         q, k_row, v_row = self._check_step(q_group, k_new, v_new)
         self._insert(k_row, v_row)
         ke, ve = self.exact_rows()
-        return self.kernels.nystrom_step(q, ke, ve, self.far, self.scale)
+        return self.kernels.nystrom_step(q, ke, ve, self.far, scale=self.scale)
 
     def window_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's rows, oldest first (copies): ``(k, v) [win_len, hd]``."""

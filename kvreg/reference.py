@@ -17,60 +17,60 @@ from __future__ import annotations
 import numpy as np
 
 from . import quant
-from .backend import Backend
-from .modes import KV_K_GROUP
+from .plugin import Backend, KvView, RingView
+from .modes import KV_K_GROUP, KvMode
 
 _SKIP = np.float32(1e-12)
 
 
-def key_scores(st, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
+def key_scores(kv, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
     """``⟨q[h], k[g, p]⟩`` for p in ``[first, n)``, ``[nh, n-first]`` float32 (unscaled)."""
     nh = q.shape[0]
     span = n - first
     out = np.empty((nh, span), dtype=np.float32)
-    if st.mode.tiered:
-        rows = st.attended_rows("k", g, first, n)
+    if kv.mode.tiered:
+        rows = kv.attended_rows("k", g, first, n)
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
-    if st.k is not None:
-        rows = quant.from_half(st.k[g, first:n])
+    if kv.k is not None:
+        rows = quant.from_half(kv.k[g, first:n])
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
     # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order; the
     # exact rows (field space) are plain dots with q ⊙ col_k.
     # The float16 window rows [w0, n) are plain dots too (widened).
-    hd = st.head_dim
-    x1 = min(max(int(st.xlen[g]), first), n)
-    w0 = max(_window_start(st, g, n), x1)
-    kq = st.kq[g, x1:w0].astype(np.float32)
-    ks = st.ks[g, x1:w0]
-    qc = q * st.kcol[g] if st.kcol_set[g] else q
-    win = _window_rows(st.thk, st, g, w0, n)
+    hd = kv.head_dim
+    x1 = min(max(int(kv.xlen[g]), first), n)
+    w0 = max(_window_start(kv, g, n), x1)
+    kq = kv.kq[g, x1:w0].astype(np.float32)
+    ks = kv.ks[g, x1:w0]
+    qc = q * kv.kcol[g] if kv.kcol_set[g] else q
+    win = _window_rows(kv.thk, kv, g, w0, n)
     for h in range(nh):
         acc = np.zeros(w0 - x1, dtype=np.float32)
-        for j in range(st.ngk):
+        for j in range(kv.ngk):
             j0, j1 = j * KV_K_GROUP, min((j + 1) * KV_K_GROUP, hd)
             acc += (kq[:, j0:j1] @ qc[h, j0:j1]) * ks[:, j]
         out[h, x1 - first:w0 - first] = acc
         if win is not None:
             out[h, w0 - first:] = win @ qc[h]
         for r in range(first, x1):
-            out[h, r - first] = st.xk[g, r] @ qc[h]
+            out[h, r - first] = kv.xk[g, r] @ qc[h]
     return out
 
 
-def _window_start(st, g: int, n: int) -> int:
+def _window_start(kv, g: int, n: int) -> int:
     """First row of head ``g``'s float16 window among ``[0, n)`` (``n``: none)."""
-    return min(int(st.b8[g]), n) if st.window else n
+    return min(int(kv.b8[g]), n) if kv.window else n
 
 
-def _window_rows(th, st, g: int, w0: int, n: int):
+def _window_rows(th, kv, g: int, w0: int, n: int):
     """Rows ``[w0, n)`` of a float16 window, widened (None when empty)."""
     if th is None or n <= w0:
         return None
-    o = w0 - int(st.b8[g])
+    o = w0 - int(kv.b8[g])
     return th[g, o:o + n - w0].astype(np.float32)
 
 
@@ -99,24 +99,24 @@ def softmax_rows(s: np.ndarray, sinks: np.ndarray | None) -> np.ndarray:
         return e / z[:, None]
 
 
-def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
+def value_pass(kv, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
     """``Σ_p prob[h, p] · v[g, p]`` over ``[first, n)`` for each head."""
     nh = p.shape[0]
-    hd = st.head_dim
+    hd = kv.head_dim
     out = np.empty((nh, hd), dtype=np.float32)
-    if st.v is not None or st.mode.tiered:
-        rows = st.attended_rows("v", g, first, n) if st.mode.tiered else quant.from_half(st.v[g, first:n])
+    if kv.v is not None or kv.mode.tiered:
+        rows = kv.attended_rows("v", g, first, n) if kv.mode.tiered else quant.from_half(kv.v[g, first:n])
         for h in range(nh):
             w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
             out[h] = w @ rows
         return out
     # q8 V: the int8 rows with their per-row scale folded into the weight,
     # plus the exact rows (field space); the field multiplies the sum.
-    x1 = min(max(int(st.xlen[g]), first), n)
-    w0 = max(_window_start(st, g, n), x1)
-    vq = st.vq[g, x1:w0].astype(np.float32)
-    vs = st.vs[g, x1:w0]
-    win = _window_rows(st.thv, st, g, w0, n)
+    x1 = min(max(int(kv.xlen[g]), first), n)
+    w0 = max(_window_start(kv, g, n), x1)
+    vq = kv.vq[g, x1:w0].astype(np.float32)
+    vs = kv.vs[g, x1:w0]
+    win = _window_rows(kv.thv, kv, g, w0, n)
     for h in range(nh):
         w = p[h, x1 - first:w0 - first] * vs
         w = np.where(np.abs(w) < _SKIP, np.float32(0), w)
@@ -126,21 +126,21 @@ def value_pass(st, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
             out[h] = ww @ win + out[h]
         if x1 > first:
             wx = np.where(np.abs(p[h, : x1 - first]) < _SKIP, np.float32(0), p[h, : x1 - first])
-            out[h] = wx @ st.xv[g, first:x1] + out[h]
-    if st.vcol_set[g]:
-        out *= st.vcol[g]
+            out[h] = wx @ kv.xv[g, first:x1] + out[h]
+    if kv.vcol_set[g]:
+        out *= kv.vcol[g]
     return out
 
 
-def attend_rows(st, g, q, *, scale, first, n, softcap, sinks):
+def attend_rows(kv, g, q, *, scale, first, n, softcap, sinks):
     """(out [nh, hd], probs [nh, n-first]) of KV head ``g`` over ``[first, n)``."""
     with np.errstate(over="ignore", invalid="ignore"):  # NaN/inf follow IEEE (docs/kernels.md)
-        s = key_scores(st, g, q, first, n) * np.float32(scale)
+        s = key_scores(kv, g, q, first, n) * np.float32(scale)
         if softcap > 0:
             c = np.float32(softcap)
             s = c * np.tanh(s / c)
         p = softmax_rows(s, sinks)
-    return value_pass(st, g, p, first, n), p
+    return value_pass(kv, g, p, first, n), p
 
 
 def _masked_values(p: np.ndarray, vmat: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -165,13 +165,15 @@ class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     auto = True
+    is_reference = True
+    native_modes = frozenset(KvMode)
 
-    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), upto)
+    def attend_group(self, q, kv, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        n = int(kv.lens[g]) if upto is None else min(int(kv.lens[g]), upto)
         if n == 0:
             return np.zeros_like(q)
         first = min(first, n - 1)
-        out, p = attend_rows(st, g, q, scale=scale, first=first, n=n, softcap=softcap, sinks=sinks)
+        out, p = attend_rows(kv, g, q, scale=scale, first=first, n=n, softcap=softcap, sinks=sinks)
         if imp is not None:
             m = min(imp.shape[0], n)
             for h in range(q.shape[0]):
@@ -179,25 +181,25 @@ class ReferenceBackend(Backend):
                     imp[first:m] += p[h, : m - first]
         return out
 
-    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        nkv = st.num_kv_heads
+    def attend_layer(self, q, kv, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        nkv = kv.num_kv_heads
         hpk = q.shape[0] // nkv
         out = np.zeros_like(q)
         for g in range(nkv):
-            n = int(st.lens[g])
+            n = int(kv.lens[g])
             first = max(0, n - window) if window else 0
             hs = slice(g * hpk, (g + 1) * hpk)
             out[hs] = self.attend_group(
-                q[hs], st, g, scale=scale, first=first, softcap=softcap,
+                q[hs], kv, g, scale=scale, first=first, softcap=softcap,
                 sinks=None if sinks is None else sinks[hs], imp=imp,
             )
         return out
 
-    def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
+    def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
         n = s0 + b
-        nkv = st.num_kv_heads
+        nkv = kv.num_kv_heads
         nh = nkv * hpk
-        hd = st.head_dim
+        hd = kv.head_dim
         # The window bounds the keys of the whole chunk: O(b·(b+w)), not O(b·n).
         lo0 = min(max(0, s0 + 1 - window), n) if window else 0
         nk = n - lo0
@@ -208,8 +210,8 @@ class ReferenceBackend(Backend):
         mask = (cols[None, :] >= lo[:, None]) & (cols[None, :] < allowed[:, None])
         out = np.empty((b, nh, hd), dtype=np.float32)
         for g in range(nkv):
-            kmat = quant.from_half(st.k[g, lo0:n])
-            vmat = quant.from_half(st.v[g, lo0:n])
+            kmat = quant.from_half(kv.k[g, lo0:n])
+            vmat = quant.from_half(kv.v[g, lo0:n])
             qg = q[:, g * hpk:(g + 1) * hpk, :]               # [b, hpk, hd]
             s = np.einsum("bhd,kd->hbk", qg, kmat, optimize=True) * np.float32(scale)
             s = np.where(mask[None], s, -np.inf)
@@ -228,31 +230,31 @@ class ReferenceBackend(Backend):
                     imp[lo0:ni] += s.sum(axis=(0, 1))[: ni - lo0]
         return out
 
-    def quantize_rows(self, x, col, group):
+    def quantize_rows(self, x, col, *, group):
         return quant.quantize_rows(x, col, group)
 
-    def freeze_field(self, q, s, group):
+    def freeze_field(self, q, s, *, group):
         return quant.freeze_field(q, s, group)
 
     def gather_rows(self, rows, idx):
         return rows[idx]
 
-    def bounded_attend(self, *args, **kwargs):
+    def bounded_attend(self, q, ring: RingView, *, scale, num_heads):
         from .bounded import bounded_attend
 
-        return bounded_attend(*args, **kwargs)
+        return bounded_attend(q, ring, scale=scale, num_heads=num_heads)
 
-    def nystrom_prefill(self, *args, **kwargs):
+    def nystrom_prefill(self, probes, k_far, v_far, *, scale):
         from .nystrom import nystrom_prefill
 
-        return nystrom_prefill(*args, **kwargs)
+        return nystrom_prefill(probes, k_far, v_far, scale)
 
-    def nystrom_absorb(self, *args, **kwargs):
+    def nystrom_absorb(self, far, k_row, v_row, *, scale):
         from .nystrom import nystrom_absorb
 
-        return nystrom_absorb(*args, **kwargs)
+        return nystrom_absorb(far, k_row, v_row, scale)
 
-    def nystrom_step(self, *args, **kwargs):
+    def nystrom_step(self, q_group, k_exact, v_exact, far, *, scale):
         from .nystrom import nystrom_step
 
-        return nystrom_step(*args, **kwargs)
+        return nystrom_step(q_group, k_exact, v_exact, far, scale)

@@ -15,7 +15,7 @@ import warnings
 import pluggy
 
 from . import hookspecs
-from .backend import Backend
+from .plugin import Backend
 from .errors import BackendError
 
 _lock = threading.Lock()
@@ -52,7 +52,11 @@ def _collect() -> dict[str, type[Backend]]:
 
     def register(cls: type) -> None:
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
-            raise BackendError(f"register() takes a kvreg.backend.Backend subclass, got {cls!r}")
+            raise BackendError(f"register() takes a kvreg.plugin.Backend subclass, got {cls!r}")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise BackendError(f"backend {cls.__name__} ({cls.name!r}) does not implement {', '.join(missing)}: "
+                               "implement them, or subclass kvreg.reference.ReferenceBackend to inherit them")
         if cls.name in found and found[cls.name] is not cls:
             warnings.warn(f"kvreg: two backends named {cls.name!r}; keeping the first", stacklevel=2)
             return
@@ -154,7 +158,7 @@ def get_backend(name: str | None = None, device: str | None = None) -> Backend:
     if isinstance(name, Backend):
         return name
     if name is not None and not isinstance(name, str):
-        raise BackendError(f"backend must be a name, a kvreg.backend.Backend or None, got {name!r}")
+        raise BackendError(f"backend must be a name, a kvreg.plugin.Backend or None, got {name!r}")
     if device is not None and not isinstance(device, str):
         raise BackendError(f"device must be a device spec string or None, got {device!r}")
     if name is None:

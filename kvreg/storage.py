@@ -5,14 +5,19 @@ are contiguous (``block[h, :lens[h]]``), so a per-head attend reads a straight
 slice and a layer kernel can stride over heads. Capacity doubles as rows
 arrive (amortized O(1) appends, never a copy of everything per token).
 
-Contract for code that mutates storage (the layer does, kernels never do):
+:class:`LayerStorage` is the only writer of its arrays: appends, the
+window, the q8 freeze, truncation, trims, eviction, clear and the wire
+import's install are its methods, and each one moves :attr:`version`.
+Kernels read a frozen :class:`~kvreg.plugin.KvView` (:meth:`view`), never
+the storage.
 
-* ``generation`` takes a fresh process-wide value on every change a device
-  copy cannot follow by its row count (clear, trim, eviction, import, seal);
-  appends and truncations keep it (the seed's rule).
-* ``truncate_last`` keeps the generation, so it bumps ``edits`` and logs the
-  per-head row counts it left: :meth:`edit_floor` tells a mirror which of its
-  rows may since have been rewritten.
+* ``version`` takes a fresh process-wide value on every mutation. A rewrite
+  that a device copy cannot follow by row counts (the freeze, trims,
+  eviction, clear) also sets ``reset_version``; a truncation logs the
+  per-head row counts it left. :meth:`KvView.unchanged_rows` answers from
+  these which rows a mirror at an older version still holds.
+* ``generation`` is the seed's public counter: a fresh value on clear, trim,
+  eviction, import and seal; appends and truncations keep it.
 * Dead heads (``alive[h] == False`` at append) store nothing: their ``lens``
   stay, and their pages of the blocks are never written, so never faulted in.
 
@@ -37,17 +42,21 @@ from collections import deque
 
 import numpy as np
 
-from .modes import (KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW,
-                    KvMode)
-from .quant import (dequantize_half_scaled, dequantize_rows, from_half, num_groups, pack_int4,
-                    quantize_half_scaled, rotates, unpack_int4)
+from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
+from .plugin import KvView, readonly
+from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates
 
 _GEN = itertools.count(1)
 
 
 def next_generation() -> int:
-    """A process-wide fresh storage generation (``next`` on a count is atomic)."""
+    """A process-wide fresh storage generation or version (``next`` on a count is atomic)."""
     return next(_GEN)
+
+
+#: The arrays a KvView carries, read-only (None where the mode has none).
+_VIEW_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "kcol_set", "vcol_set", "xk", "xv", "xlen",
+                "thk", "thv", "b8", "k4", "k4s", "v4", "v4s", "b4", "t8k", "t8ks", "t8v", "t8vs")
 
 
 _FLOOR_LOG = 64
@@ -77,8 +86,13 @@ class LayerStorage:
         self.xv = np.zeros(xshape, np.float32) if self.exact_cap and mode.quant_v else None
         self.xlen = np.zeros(num_kv_heads, dtype=np.int64)
         self.generation = next_generation()
-        self.edits = 0
+        self.version = self.reset_version = next_generation()
+        self._log_start = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
+        self._view: KvView | None = None
+        self._ro: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.b8 = self.b4 = None
+        self.t8k = self.t8ks = self.t8v = self.t8vs = None
         #: Whether K (V) rows, and so the queries (outputs), live in the
         #: Walsh-Hadamard rotated basis.
         self.rot_k = mode.rotates_k and rotates(head_dim)
@@ -127,30 +141,62 @@ class LayerStorage:
         return int(min(n, (self.exact_cap - at[open_]).max())) if open_.any() else 0
 
     def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
-        """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them, float32
-        ``[n-lo, hd]``: f32 storage as stored (a view), f16/bf16 widened; q8 ``q·s·col``, the
-        float16 window rows widened, the exact rows ``x·col``; q4 each row from its tier (``side`` is
-        ``"k"`` or ``"v"``). Rows of a rotated side are in the rotated basis."""
-        quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
-        if self.mode.tiered:
-            return self._tiered_rows(side, h, lo, n)
-        if not quantized:
-            return from_half(getattr(self, side)[h, lo:n])
-        if side == "k":
-            rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
-        else:
-            rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
-        if self.window:
-            w0 = max(lo, int(self.b8[h]))
-            if n > w0:
-                o = w0 - int(self.b8[h])
-                rows[w0 - lo:] = getattr(self, "th" + side)[h, o:o + n - w0]
-        x = getattr(self, "x" + side)
-        xl = int(self.xlen[h])
-        if lo < xl:
-            rows[: xl - lo] = x[h, lo:xl]
-        col, col_set = (self.kcol, self.kcol_set) if side == "k" else (self.vcol, self.vcol_set)
-        return rows * col[h] if col_set[h] else rows
+        """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them
+        (:meth:`KvView.attended_rows`)."""
+        return self.view().attended_rows(side, h, lo, n)
+
+    def view(self) -> KvView:
+        """The frozen, read-only view kernels read (one per version)."""
+        v = self._view
+        if v is not None and v.version == self.version:
+            return v
+        ro = {}
+        for name in _VIEW_ARRAYS:
+            a = getattr(self, name)
+            got = self._ro.get(name)
+            if got is None or got[0] is not a:
+                got = self._ro[name] = (a, readonly(a))
+            ro[name] = got[1]
+        v = self._view = KvView(
+            owner=self, mode=self.mode, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ngk=self.ngk,
+            cap=self.cap, lens=readonly(self.lens), version=self.version, exact_cap=self.exact_cap,
+            window=self.window, rot_k=self.rot_k, rot_v=self.rot_v, reset_version=self.reset_version,
+            log_start=self._log_start, floors=tuple(self._floors), **ro)
+        return v
+
+    @classmethod
+    def of_rows(cls, k: np.ndarray, v: np.ndarray) -> "LayerStorage":
+        """An F32 storage over float32 blocks ``[nkv, n, hd]`` (taken, not
+        copied): the widened rows a kernel is handed in place of a layer's own."""
+        st = cls(k.shape[0], k.shape[2], KvMode.F32)
+        st.k, st.v, st.cap = k, v, k.shape[1]
+        st.lens[:] = k.shape[1]
+        st._touch()
+        return st
+
+    # ── versions ──
+
+    def _touch(self) -> None:
+        """Every mutation: a new version."""
+        self.version = next_generation()
+
+    def _rewritten(self) -> None:
+        """A mutation a copy cannot follow by row counts: every row may differ."""
+        self._touch()
+        self.reset_version = self.version
+        self._floors.clear()
+
+    def _truncated(self) -> None:
+        """Rows past ``lens`` (now) may be rewritten: logged for mirrors."""
+        self._touch()
+        if len(self._floors) == self._floors.maxlen:
+            self._log_start = self._floors[0][0]
+        self._floors.append((self.version, self.lens.copy()))
+
+    def renew_generation(self) -> None:
+        """A fresh seed generation (a restored ring, a seal)."""
+        self.generation = next_generation()
+        self._touch()
 
     def field_frozen(self) -> bool:
         """Whether the q8 field froze (the seed: any head's column is set)."""
@@ -192,6 +238,7 @@ class LayerStorage:
                         blk[h, : self.lens[h]] = old[h, : self.lens[h]]
                 setattr(self, name, blk)
             self.cap = new_cap
+            self._touch()
         if rows > self._imp.shape[0]:
             imp = np.zeros(max(16, 2 * self._imp.shape[0], rows), dtype=np.float32)
             imp[: self.seq_len] = self._imp[: self.seq_len]
@@ -258,6 +305,7 @@ class LayerStorage:
             self.reserve(end)
         self._imp[self.seq_len:end] = 0.0
         self.seq_len = end
+        self._touch()
 
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
@@ -272,8 +320,7 @@ class LayerStorage:
         if self.window:
             self._zero_window_tails()
         self.seq_len = max(self.seq_len - d, 0)
-        self.edits += 1
-        self._floors.append((self.edits, self.lens.copy()))
+        self._truncated()
 
     def _zero_rows_past(self, new_lens: np.ndarray) -> None:
         """Under a float16 window, zero the row slots ``[new_lens[h], lens[h])``
@@ -295,22 +342,6 @@ class LayerStorage:
             if self.mode.tiered:
                 for name in ("t8k", "t8ks", "t8v", "t8vs"):
                     getattr(self, name)[h, int(self.b8[h] - self.b4[h]):] = 0
-
-    def edit_floor(self, since: int) -> np.ndarray | None:
-        """Per-head minimum row count left by truncations after edit ``since``.
-
-        ``lens`` itself when none happened since; None when the log no longer
-        reaches back that far (the mirror must upload everything).
-        """
-        floor = self.lens.copy()
-        if since >= self.edits:
-            return floor
-        if not self._floors or self._floors[0][0] > since + 1:
-            return None
-        for no, lens in self._floors:
-            if no > since:
-                np.minimum(floor, lens, out=floor)
-        return floor
 
     def drop_front(self, d: int) -> None:
         """Drop the first ``d`` rows of every head (fewer for a shorter head)."""
@@ -338,6 +369,7 @@ class LayerStorage:
         self._imp[: self.seq_len - di] = self._imp[di : self.seq_len].copy()
         self.seq_len -= di
         self.generation = next_generation()
+        self._rewritten()
 
     def gather(self, kept: np.ndarray, gather_rows) -> None:
         """Keep rows ``kept`` (ascending) of every head, each storage on its own.
@@ -372,6 +404,7 @@ class LayerStorage:
         self._imp[: kept.size] = imp
         self.seq_len = int(kept.size)
         self.generation = next_generation()
+        self._rewritten()
 
     def clear(self) -> None:
         """Forget every row and the q8 field; capacity is kept for reuse."""
@@ -390,6 +423,7 @@ class LayerStorage:
         self.kcol[:] = 1.0
         self.vcol[:] = 1.0
         self.generation = next_generation()
+        self._rewritten()
 
     def release(self) -> None:
         """Clear and give the capacity back (an O(1) seal's memory claim)."""
@@ -398,6 +432,60 @@ class LayerStorage:
         self.k4 = self.k4s = self.v4 = self.v4s = None
         self.cap = 0
         self._imp = np.zeros(0, dtype=np.float32)
+        self._touch()
+
+    def freeze(self, freeze_field) -> None:
+        """The 2f freeze: per head and quantized side, ``freeze_field(q, s,
+        group=...) -> (col, q2, s2)`` (a backend kernel) gives the field and the
+        requantized rows, which replace the stored ones; the exact rows move
+        into field space (divided by it). Every stored row is rewritten."""
+        hd = self.head_dim
+        for h in range(self.num_kv_heads):
+            n = int(self.lens[h])
+            if n == 0:
+                continue
+            for quantized, qb, sb, colb, setb, group, x in (
+                (self.mode.quant_k, "kq", "ks", self.kcol, self.kcol_set, KV_K_GROUP, self.xk),
+                (self.mode.quant_v, "vq", "vs", self.vcol, self.vcol_set, hd, self.xv),
+            ):
+                if not quantized:
+                    continue
+                q, s = getattr(self, qb), getattr(self, sb)
+                sc = s[h, :n] if s.ndim == 3 else s[h, :n, None]
+                col, nq, ns = freeze_field(q[h, :n], np.ascontiguousarray(sc), group=group)
+                q[h, :n] = nq
+                s[h, :n] = ns if s.ndim == 3 else ns[:, 0]
+                colb[h] = col
+                setb[h] = True
+                if x is not None:
+                    x[h, : self.xlen[h]] /= col
+        self._rewritten()
+
+    def load(self, blocks: dict, lens: np.ndarray, seq_len: int, imp: np.ndarray,
+             xlen: np.ndarray | None = None, head_blocks: dict | None = None) -> None:
+        """Install an imported record into this (empty) storage: ``blocks[name]``
+        one array per head of that head's rows, ``head_blocks[name]`` whole
+        per-head state arrays, then the counts and the importance."""
+        self.reserve(max(int(np.max(lens, initial=0)), seq_len))
+        for name, per_head in blocks.items():
+            dst = getattr(self, name)
+            for h, a in enumerate(per_head):
+                if a.shape[0]:
+                    dst[h, : a.shape[0]] = a
+        for name, a in (head_blocks or {}).items():
+            getattr(self, name)[...] = a
+        self.lens[:] = lens
+        if xlen is not None:
+            self.xlen[:] = xlen
+        self.set_importance(imp, seq_len)
+
+    def set_importance(self, imp: np.ndarray, seq_len: int | None = None) -> None:
+        """Replace the accumulated importance (an import); ``seq_len`` the positions counted."""
+        if seq_len is not None:
+            self.reserve(seq_len)
+            self.seq_len = seq_len
+        self._imp[: imp.shape[0]] = imp
+        self._rewritten()
 
     # ── q4 tiers ──
     #
@@ -480,6 +568,7 @@ class LayerStorage:
         """The window bound after ``n`` rows joined ``heads`` (before the append counts them)."""
         fh = self.lens[heads] - self.b8[heads]
         self.b8[heads] += np.maximum(fh + n - self.window, 0)
+        self._touch()
 
     def append_tiered(self, rk: np.ndarray, rv: np.ndarray, heads: np.ndarray, n: int) -> None:
         """Tier ``n`` rotated rows per head (``[len(heads), n, hd]`` float32) of
@@ -508,31 +597,6 @@ class LayerStorage:
                 t8[h, : c8_all.shape[0] - out8] = c8_all[out8:]
                 t8s[h, : c8_all.shape[0] - out8] = s8_all[out8:]
             self.b4[h] = b4 + out8
-
-    def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
-        """Rows ``[lo, n)`` of head ``h`` in float32 (rotated basis), each read
-        from the tier it sits in; the exact first rows from ``xk``/``xv``."""
-        hd = self.head_dim
-        b4, b8 = min(int(self.b4[h]), n), min(int(self.b8[h]), n)
-        out = np.empty((max(n - lo, 0), hd), np.float32)
-        a, z = lo, min(b4, n)
-        if z > a:
-            group = Q4_K_GROUP if side == "k" else Q4_V_GROUP
-            codes = unpack_int4(getattr(self, side + "4")[h, a:z], hd)
-            out[: z - a] = dequantize_half_scaled(codes, getattr(self, side + "4s")[h, a:z], group)
-        a0, z = max(lo, int(self.b4[h])), min(b8, n)
-        if z > a0:
-            o = a0 - int(self.b4[h])
-            t8, t8s = getattr(self, "t8" + side), getattr(self, "t8" + side + "s")
-            out[a0 - lo: z - lo] = dequantize_half_scaled(t8[h, o:o + z - a0], t8s[h, o:o + z - a0], Q4_INT8_GROUP)
-        a0 = max(lo, int(self.b8[h]))
-        if n > a0:
-            o = a0 - int(self.b8[h])
-            out[a0 - lo:] = getattr(self, "th" + side)[h, o:o + n - a0].astype(np.float32)
-        xl = min(int(self.xlen[h]), n)
-        if lo < xl:
-            out[: xl - lo] = getattr(self, "x" + side)[h, lo:xl]
-        return out
 
     def _tiered_bytes(self) -> int:
         hd = self.head_dim

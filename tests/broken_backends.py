@@ -8,7 +8,7 @@ pluggy hook a real plugin uses.
 
 from __future__ import annotations
 
-import copy
+from dataclasses import replace
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class HalfEvenRounding(ReferenceBackend):
     name = "broken_round"
     auto = False
 
-    def quantize_rows(self, x, col, group):
+    def quantize_rows(self, x, col, *, group):
         x = np.asarray(x, dtype=np.float32)
         n, hd = x.shape
         r = x / col if col is not None else x
@@ -46,8 +46,8 @@ class NoImportance(ReferenceBackend):
     name = "broken_imp"
     auto = False
 
-    def attend_group(self, q, st, g, *, imp=None, **kw):
-        return super().attend_group(q, st, g, imp=None, **kw)
+    def attend_group(self, q, kv, g, *, imp=None, **kw):
+        return super().attend_group(q, kv, g, imp=None, **kw)
 
 
 class WindowOffByOne(ReferenceBackend):
@@ -56,14 +56,14 @@ class WindowOffByOne(ReferenceBackend):
     name = "broken_window"
     auto = False
 
-    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        hpk = q.shape[0] // st.num_kv_heads
+    def attend_layer(self, q, kv, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        hpk = q.shape[0] // kv.num_kv_heads
         out = np.zeros_like(q)
-        for g in range(st.num_kv_heads):
-            n = int(st.lens[g])
+        for g in range(kv.num_kv_heads):
+            n = int(kv.lens[g])
             first = min(max(0, n - window + 1), max(n - 1, 0)) if window else 0
             hs = slice(g * hpk, (g + 1) * hpk)
-            out[hs] = self.attend_group(q[hs], st, g, scale=scale, first=first, softcap=softcap,
+            out[hs] = self.attend_group(q[hs], kv, g, scale=scale, first=first, softcap=softcap,
                                         sinks=None if sinks is None else sinks[hs], imp=imp)
         return out
 
@@ -81,9 +81,9 @@ class DroppingGather(ReferenceBackend):
 
 
 class StaleMirror(ReferenceBackend):
-    """A device copy of the keys keyed on (generation, head) that uploads
-    only rows past what it holds: after truncate-then-append (same
-    generation, same row count) it answers from the dropped rows."""
+    """A device copy of the keys keyed on (storage, head) that uploads only
+    rows past what it holds, ignoring the view's version: after
+    truncate-then-append (same row count) it answers from the dropped rows."""
 
     name = "broken_mirror"
     auto = False
@@ -92,19 +92,18 @@ class StaleMirror(ReferenceBackend):
         super().__init__(device)
         self._mirror: dict[tuple[int, int], np.ndarray] = {}
 
-    def attend_group(self, q, st, g, **kw):
-        if st.k is None:
-            return super().attend_group(q, st, g, **kw)
-        n = int(st.lens[g])
-        key = (st.generation, g)
-        rows = self._mirror.get(key, np.zeros((0, st.head_dim), np.float32))
+    def attend_group(self, q, kv, g, **kw):
+        if kv.k is None:
+            return super().attend_group(q, kv, g, **kw)
+        n = int(kv.lens[g])
+        key = (id(kv.owner), g)
+        rows = self._mirror.get(key, np.zeros((0, kv.head_dim), np.float32))
         if rows.shape[0] < n:
-            rows = np.concatenate([rows, st.k[g, rows.shape[0]:n]])
+            rows = np.concatenate([rows, kv.k[g, rows.shape[0]:n]])
             self._mirror[key] = rows
-        view = copy.copy(st)
-        view.k = st.k.copy()
-        view.k[g, :n] = rows[:n]
-        return super().attend_group(q, view, g, **kw)
+        k = kv.k.copy()
+        k[g, :n] = rows[:n]
+        return super().attend_group(q, replace(kv, k=k), g, **kw)
 
 
 class IgnoresExactRows(ReferenceBackend):
@@ -114,10 +113,8 @@ class IgnoresExactRows(ReferenceBackend):
     name = "broken_exact"
     auto = False
 
-    def attend_group(self, q, st, g, **kw):
-        view = copy.copy(st)
-        view.xlen = np.zeros_like(st.xlen)
-        return super().attend_group(q, view, g, **kw)
+    def attend_group(self, q, kv, g, **kw):
+        return super().attend_group(q, replace(kv, xlen=np.zeros_like(kv.xlen)), g, **kw)
 
 
 class DropsNanRows(ReferenceBackend):
@@ -128,21 +125,21 @@ class DropsNanRows(ReferenceBackend):
     name = "broken_nan"
     auto = False
 
-    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+    def attend_group(self, q, kv, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
         from kvreg.reference import key_scores, softmax_rows, value_pass
 
-        n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), upto)
+        n = int(kv.lens[g]) if upto is None else min(int(kv.lens[g]), upto)
         if n == 0:
             return np.zeros_like(q)
         first = min(first, n - 1)
-        s = key_scores(st, g, q, first, n) * np.float32(scale)
+        s = key_scores(kv, g, q, first, n) * np.float32(scale)
         p = softmax_rows(np.where(np.isnan(s), np.float32(-np.inf), s), sinks)
         if imp is not None:
             m = min(imp.shape[0], n)
             for h in range(q.shape[0]):
                 if m > first:
                     imp[first:m] += p[h, : m - first]
-        return value_pass(st, g, p, first, n)
+        return value_pass(kv, g, p, first, n)
 
 
 BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleMirror, IgnoresExactRows,
@@ -152,13 +149,13 @@ BROKEN = (HalfEvenRounding, NoImportance, WindowOffByOne, DroppingGather, StaleM
 
 class NarrowRowCount(ReferenceBackend):
     """attend_group that keeps the row bound ``upto`` in a uint8 (it wraps
-    past 255 rows): the integer-width bug class of issue 18 item 2."""
+    past 255 rows): the integer-width bug class."""
 
     name = "broken_narrow"
     auto = False
 
-    def attend_group(self, q, st, g, *, upto=None, **kw):
-        return super().attend_group(q, st, g, upto=None if upto is None else upto % 256, **kw)
+    def attend_group(self, q, kv, g, *, upto=None, **kw):
+        return super().attend_group(q, kv, g, upto=None if upto is None else upto % 256, **kw)
 
 
 class ShortestHeadLayer(ReferenceBackend):
@@ -168,16 +165,15 @@ class ShortestHeadLayer(ReferenceBackend):
     name = "broken_ragged"
     auto = False
 
-    def attend_layer(self, q, st, **kw):
-        view = copy.copy(st)
-        view.lens = np.full_like(st.lens, int(st.lens.min()))
-        return super().attend_layer(q, view, **kw)
+    def attend_layer(self, q, kv, **kw):
+        return super().attend_layer(q, replace(kv, lens=np.full_like(kv.lens, int(kv.lens.min()))), **kw)
 
 
 class PositionKeyedRing(ReferenceBackend):
     """bounded_attend from a copy of the ring refreshed only at the newly
-    inserted slot whenever the position advances by one: a ring replaced in
-    place by an import at the same position keeps being read stale."""
+    inserted slot whenever the position advances by one, ignoring the view's
+    version: a ring replaced in place by an import at the same position keeps
+    being read stale."""
 
     name = "broken_ring"
     auto = False
@@ -186,15 +182,16 @@ class PositionKeyedRing(ReferenceBackend):
         super().__init__(device)
         self._copies: dict[int, list] = {}
 
-    def bounded_attend(self, q, ring_k, ring_v, seen, *args):
-        c = self._copies.get(id(ring_k))
-        if c is None or c[0] is not ring_k or seen != c[1] + 1:
-            c = self._copies[id(ring_k)] = [ring_k, seen, ring_k.copy(), ring_v.copy()]
+    def bounded_attend(self, q, ring, **kw):
+        seen = ring.seen
+        c = self._copies.get(id(ring.owner))
+        if c is None or seen != c[0] + 1:
+            c = self._copies[id(ring.owner)] = [seen, ring.k.copy(), ring.v.copy()]
         else:
-            s = (seen - 1) % ring_k.shape[1]
-            c[2][:, s], c[3][:, s] = ring_k[:, s], ring_v[:, s]
-            c[1] = seen
-        return super().bounded_attend(q, c[2], c[3], seen, *args)
+            s = (seen - 1) % ring.k.shape[1]
+            c[1][:, s], c[2][:, s] = ring.k[:, s], ring.v[:, s]
+            c[0] = seen
+        return super().bounded_attend(q, replace(ring, k=c[1], v=c[2]), **kw)
 
 
 BROKEN = BROKEN + (NarrowRowCount, ShortestHeadLayer, PositionKeyedRing)

@@ -14,6 +14,7 @@ from kvreg.bounded import (
     BoundedState,
     BoundedWeights,
     bounded_attend,
+    ring_view,
 )
 from kvreg.errors import ConfigError, KvregError, ShapeError, StateError
 from kvreg.testing.bounded_oracle import bounded_attend_oracle
@@ -552,7 +553,10 @@ def test_bounded_attend_refuses_bad_arguments(mutate, err):
     )
     mutate(args)
     with pytest.raises(err):
-        bounded_attend(**args)
+        a = args
+        ring = ring_view(a["ring_k"], a["ring_v"], a["seen"], a["sink_k"], a["sink_v"], a["group_windows"],
+                         a["rope"])
+        bounded_attend(a["q"], ring, scale=a["scale"], num_heads=a["num_heads"])
 
 
 @pytest.mark.parametrize(

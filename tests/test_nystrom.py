@@ -209,7 +209,9 @@ def test_absorb_equals_prefill_over_one_more_row():
     kf, vf = rng.standard_normal((30, 8)) * 3, rng.standard_normal((30, 8))
     c, z, th = ny.nystrom_prefill(qt, kf[:29], vf[:29], 0.5)
     far = FarField(np.zeros((4, 8)), qt, np.zeros((2, 4, 4)), np.zeros((2, 4)), c, z, th, 29)
-    ny.nystrom_absorb(far, kf[29], vf[29], 0.5)
+    before = far
+    far = ny.nystrom_absorb(far, kf[29], vf[29], 0.5)
+    assert before.rows == 29 and before.c is c, "absorb returns a new far field, the old one unchanged"
     c2, z2, th2 = ny.nystrom_prefill(qt, kf, vf, 0.5)
     # same stabilizer, so the sums compare directly
     assert np.array_equal(far.c, c2) and far.rows == 30
@@ -223,7 +225,7 @@ def test_absorb_moves_the_row_into_the_last_segment_and_the_value_box():
     v_row = np.full(8, 2.5)
     v_row[0] = -3.0
     k_row = rng.standard_normal(8)
-    ny.nystrom_absorb(far, k_row, v_row.astype(np.float32), 0.3)
+    far = ny.nystrom_absorb(far, k_row, v_row.astype(np.float32), 0.3)
     assert np.array_equal(far.count, count + np.r_[0.0, 0.0, 0.0, 1.0])
     assert np.allclose(far.vsum[:-1], vsum[:-1]) and np.allclose(far.vsum[-1], vsum[-1] + v_row)
     assert far.vhi[1] == 2.5 and far.vlo[0] == -3.0 and far.vlo[1] == -1.0 and far.rows == 41
@@ -293,9 +295,9 @@ def test_landmarks_are_segment_means():
 def test_state_uses_its_kernels_object():
     calls = []
 
-    def step(*args):
+    def step(*args, **kw):
         calls.append("step")
-        return ny.nystrom_step(*args)
+        return ny.nystrom_step(*args, **kw)
 
     kern = types.SimpleNamespace(nystrom_prefill=ny.nystrom_prefill,
                                  nystrom_absorb=ny.nystrom_absorb, nystrom_step=step)

@@ -503,8 +503,8 @@ def test_attend_chunk_dequantizes_once_and_matches_f64_over_dequantized_rows(mod
         # the exact rows are attended as appended (up to x / col * col rounding)
         kd[:xl, g], vd[:xl, g] = x[:xl, g], y[:xl, g]
     calls = []
-    real = LayerKvCache._dequantized_view
-    monkeypatch.setattr(LayerKvCache, "_dequantized_view",
+    real = LayerKvCache._widened_rows
+    monkeypatch.setattr(LayerKvCache, "_widened_rows",
                         lambda self, *a, **kw: calls.append(a) or real(self, *a, **kw))
     q = rand_rows(b, nkv * hpk, hd, seed=16) * np.float32(0.3)
     out = c.attend_chunk(q, b, s0, hpk, window=window)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvreg.errors import BackendError
-from kvreg.modes import KV_K_GROUP
+from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.reference import ReferenceBackend
 
 
@@ -36,28 +36,28 @@ def _load_kernels():
     return kernels
 
 
-def _storage_args(st) -> dict:
+def _storage_args(kv) -> dict:
     """The storage arrays of a layer, as the kernels take them (None = absent)."""
-    quant_k = st.mode.quant_k
-    quant_v = st.mode.quant_v
+    quant_k = kv.mode.quant_k
+    quant_v = kv.mode.quant_v
     return dict(
-        k=None if quant_k else st.k,
-        kq=st.kq if quant_k else None,
-        ks=st.ks if quant_k else None,
-        kcol=st.kcol if quant_k else None,
-        kcol_set=st.kcol_set if quant_k else None,
-        v=None if quant_v else st.v,
-        vq=st.vq if quant_v else None,
-        vs=st.vs if quant_v else None,
-        vcol=st.vcol if quant_v else None,
-        vcol_set=st.vcol_set if quant_v else None,
-        xk=st.xk if quant_k else None,
-        xv=st.xv if quant_v else None,
-        xlen=st.xlen if st.exact_cap else None,
+        k=None if quant_k else kv.k,
+        kq=kv.kq if quant_k else None,
+        ks=kv.ks if quant_k else None,
+        kcol=kv.kcol if quant_k else None,
+        kcol_set=kv.kcol_set if quant_k else None,
+        v=None if quant_v else kv.v,
+        vq=kv.vq if quant_v else None,
+        vs=kv.vs if quant_v else None,
+        vcol=kv.vcol if quant_v else None,
+        vcol_set=kv.vcol_set if quant_v else None,
+        xk=kv.xk if quant_k else None,
+        xv=kv.xv if quant_v else None,
+        xlen=kv.xlen if kv.exact_cap else None,
         # q8's float16 windows (q8, q8k, q8v): passed as stored, viewed as int16
-        thk=st.thk if st.window else None,
-        thv=st.thv if st.window else None,
-        b8=st.b8 if st.window else None,
+        thk=kv.thk if kv.window else None,
+        thv=kv.thv if kv.window else None,
+        b8=kv.b8 if kv.window else None,
     )
 
 
@@ -69,6 +69,8 @@ class NumbaBackend(ReferenceBackend):
     auto = True
     #: The Nyström kernels are serial and nogil: a seal's groups run on threads.
     parallel_seal = True
+    #: q4's three-tier rows run the reference's arithmetic.
+    native_modes = frozenset(m for m in KvMode if not m.tiered)
 
     def __init__(self, device: str | None = None):
         if device not in (None, "cpu"):
@@ -86,35 +88,35 @@ class NumbaBackend(ReferenceBackend):
         n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)
         return f"numba {numba.__version__} on cpu ({n} threads: kvreg.get_num_threads())"
 
-    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
-            return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
+    def attend_group(self, q, kv, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        if kv.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
+            return super().attend_group(q, kv, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
-        if st.cap == 0 or int(st.lens[g]) == 0:
+        if kv.cap == 0 or int(kv.lens[g]) == 0:
             return np.zeros_like(q)
         return self._k.attend_group(
-            q, g, st.lens, first=first, upto=upto, scale=scale, softcap=softcap or 0.0,
-            sinks=sinks, imp=imp, **_storage_args(st),
+            q, g, kv.lens, first=first, upto=upto, scale=scale, softcap=softcap or 0.0,
+            sinks=sinks, imp=imp, **_storage_args(kv),
         )
 
-    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:
-            return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
-        if st.cap == 0:
+    def attend_layer(self, q, kv, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        if kv.mode.tiered:
+            return super().attend_layer(q, kv, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
+        if kv.cap == 0:
             return np.zeros_like(q)
         return self._k.attend_layer(
-            q, st.lens, window=int(window or 0), scale=scale, softcap=softcap or 0.0,
-            sinks=sinks, imp=imp, **_storage_args(st),
+            q, kv.lens, window=int(window or 0), scale=scale, softcap=softcap or 0.0,
+            sinks=sinks, imp=imp, **_storage_args(kv),
         )
 
-    def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
-        if st.k is None or st.v is None or st.k.dtype != np.float32 or st.v.dtype != np.float32:
+    def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
+        if kv.k is None or kv.v is None or kv.k.dtype != np.float32 or kv.v.dtype != np.float32:
             # The core hands q8 and f16/bf16 layers over as a dequantized F32
             # view; anything else takes the reference (which widens per slice).
-            return super().attend_chunk(q, st, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
-        return self._k.attend_chunk(q, st.k, st.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+            return super().attend_chunk(q, kv, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+        return self._k.attend_chunk(q, kv.k, kv.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
 
-    def quantize_rows(self, x, col, group):
+    def quantize_rows(self, x, col, *, group):
         x = np.ascontiguousarray(x, dtype=np.float32)
         if col is None:
             c = np.empty((0, x.shape[1]), np.float32)
@@ -124,7 +126,7 @@ class NumbaBackend(ReferenceBackend):
                 c = c.reshape(1, -1)
         return self._k.quantize_rows(x, c, int(group))
 
-    def freeze_field(self, q, s, group):
+    def freeze_field(self, q, s, *, group):
         return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))
 
     def gather_rows(self, rows, idx):
@@ -135,28 +137,26 @@ class NumbaBackend(ReferenceBackend):
             return self._k.gather_rows(rows, idx)
         return rows[idx]  # 1-D scales: a plain copy is all there is to it
 
-    def bounded_attend(self, q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale,
-                       num_heads):
+    def bounded_attend(self, q, ring, *, scale, num_heads):
         from kvreg.bounded import check_bounded_attend_args
 
-        q32, sk, sv, gws, scale = check_bounded_attend_args(
-            q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads
-        )
-        from . import ring
+        q32, scale = check_bounded_attend_args(q, ring, scale, num_heads)
+        from . import ring as _ring
 
-        return ring.bounded_attend(q32, ring_k, ring_v, int(seen), sk, sv, gws, rope, scale)
+        return _ring.bounded_attend(q32, ring.k, ring.v, ring.seen, ring.sink_k, ring.sink_v, ring.group_windows,
+                                    ring.rope, scale)
 
-    def nystrom_prefill(self, probes, k_far, v_far, scale):
+    def nystrom_prefill(self, probes, k_far, v_far, *, scale):
         from . import nystrom
 
         return nystrom.nystrom_prefill(probes, k_far, v_far, scale)
 
-    def nystrom_absorb(self, far, k_row, v_row, scale):
+    def nystrom_absorb(self, far, k_row, v_row, *, scale):
         from . import nystrom
 
-        nystrom.nystrom_absorb(far, k_row, v_row, scale)
+        return nystrom.nystrom_absorb(far, k_row, v_row, scale)
 
-    def nystrom_step(self, q_group, k_exact, v_exact, far, scale):
+    def nystrom_step(self, q_group, k_exact, v_exact, far, *, scale):
         from . import nystrom
 
         return nystrom.nystrom_step(q_group, k_exact, v_exact, far, scale)

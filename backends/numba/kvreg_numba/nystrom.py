@@ -15,6 +15,8 @@ from numba import njit
 from numba.core import types
 from numba.extending import intrinsic
 
+from dataclasses import replace
+
 from kvreg.nystrom import absorb_pooled
 
 from . import config
@@ -364,29 +366,17 @@ def nystrom_prefill(probes, k_far, v_far, scale, *, rows=None):
     return c.reshape(hpk, m), z.reshape(hpk, m), theta.reshape(hpk, m, hd)
 
 
-def _own_f64(far, name):
-    # The kernel updates the sums in place: make sure they are arrays it
-    # can write (a wire import may hand over other dtypes or views).
-    a = getattr(far, name)
-    if not (isinstance(a, np.ndarray) and a.dtype == np.float64 and a.flags.c_contiguous
-            and a.flags.writeable):
-        a = np.array(a, dtype=np.float64, order="C")
-        setattr(far, name, a)
-    return a
-
-
 def nystrom_absorb(far, k_row, v_row, scale):
+    """The far field with one more row: the kernel updates fresh float64
+    copies of the sums in place; ``far`` is not modified."""
     hpk, p, hd = far.probes.shape
-    c, z, theta = (_own_f64(far, n) for n in ("c", "z", "theta"))
+    c, z, theta = (np.array(a, dtype=np.float64, order="C") for a in (far.c, far.z, far.theta))
     pooled = far.pooled
     last = _f64(far.last_logit).reshape(-1) if pooled else _NO_LAST
     absorb_kernel(_f64(far.probes).reshape(hpk * p, hd), c.reshape(-1), z.reshape(-1),
                   theta.reshape(hpk * p, hd), _f32(k_row), _f32(v_row), float(scale), pooled, last)
-    if pooled:
-        for n in ("count", "vsum", "vlo", "vhi"):
-            _own_f64(far, n)
-        absorb_pooled(far, v_row)  # O(hd) bookkeeping, the reference's own
-    far.rows += 1
+    # the pooled bookkeeping is O(hd), the reference's own
+    return replace(far, c=c, z=z, theta=theta, rows=far.rows + 1, **absorb_pooled(far, v_row))
 
 
 _NO_LAST = np.empty(0)

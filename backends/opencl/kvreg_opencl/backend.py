@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 from kvreg.bounded import check_bounded_attend_args
 from kvreg.errors import BackendError
+from kvreg.modes import KvMode
 from kvreg.reference import ReferenceBackend
 
 from . import bounded as _bounded
@@ -53,6 +54,11 @@ class OpenCLBackend(ReferenceBackend):
     #: attend_chunk reads q8 storage itself: the core may pass the layer's
     #: own storage instead of a dequantized F32 view.
     native_q8_chunk = True
+    #: q4's three-tier rows run the reference's arithmetic.
+    native_modes = frozenset(m for m in KvMode if not m.tiered)
+    #: Layers and rings live on the device between calls (mirrors keyed on
+    #: the views' versions).
+    device_resident = True
 
     def __init__(self, device: str | None = None):
         _pocl_threads()
@@ -96,71 +102,71 @@ class OpenCLBackend(ReferenceBackend):
         _pocl_threads()
         return [f"{d.selector} {d.name} ({d.kind})" for d in _device.list_devices()]
 
-    def mirror(self, st) -> DeviceMirror:
-        """The (synced) device mirror of ``st``."""
-        m = self._mirrors.get(st)
+    def mirror(self, kv) -> DeviceMirror:
+        """The (synced) device mirror of the storage ``kv`` views (a view
+        built by hand, ``owner`` None, gets a mirror of its own)."""
+        owner = kv.owner
+        m = None if owner is None else self._mirrors.get(owner)
         if m is None:
-            m = self._mirrors[st] = DeviceMirror(self._dev)
-        m.sync(st)
+            m = DeviceMirror(self._dev)
+            if owner is not None:
+                self._mirrors[owner] = m
+        m.sync(kv)
         return m
 
-    def ring_mirror(self, ring_k):
-        """The device mirror of the bounded ring whose key array is ``ring_k``
-        (not synced: :meth:`bounded_attend` syncs it)."""
-        return self._rings.get(ring_k)
+    def ring_mirror(self, ring):
+        """The device mirror of the bounded ring ``ring`` views (not synced:
+        :meth:`bounded_attend` syncs it)."""
+        return self._rings.get(ring.owner)
 
     @staticmethod
-    def _empty(st) -> bool:
-        return int(np.asarray(st.lens).max(initial=0)) == 0 or all(
-            getattr(st, n, None) is None for n in ("k", "kq"))
+    def _empty(kv) -> bool:
+        return int(np.asarray(kv.lens).max(initial=0)) == 0 or (kv.k is None and kv.kq is None)
 
     # -- kernels ------------------------------------------------------------
-    def attend_group(self, q, st, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
-            return super().attend_group(q, st, g, scale=scale, first=first, upto=upto, softcap=softcap,
+    def attend_group(self, q, kv, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):
+        if kv.mode.tiered:  # q4 rows have three forms: the reference kernel reads them
+            return super().attend_group(q, kv, g, scale=scale, first=first, upto=upto, softcap=softcap,
                                         sinks=sinks, imp=imp)
-        n = int(st.lens[g]) if upto is None else min(int(st.lens[g]), int(upto))
-        if n == 0 or self._empty(st):
+        n = int(kv.lens[g]) if upto is None else min(int(kv.lens[g]), int(upto))
+        if n == 0 or self._empty(kv):
             return np.zeros_like(q, dtype=np.float32)
         out, _ = kernels.attend_layer(
-            self.mirror(st), q, lens=st.lens, scale=scale, first=first, softcap=softcap,
+            self.mirror(kv), q, lens=kv.lens, scale=scale, first=first, softcap=softcap,
             upto=upto, sinks=sinks, imp=imp, g0=g, ng=1)
         return out
 
-    def attend_layer(self, q, st, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
-        if st.mode.tiered:
-            return super().attend_layer(q, st, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
-        if self._empty(st):
+    def attend_layer(self, q, kv, *, scale, window=None, softcap=0.0, sinks=None, imp=None):
+        if kv.mode.tiered:
+            return super().attend_layer(q, kv, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
+        if self._empty(kv):
             return np.zeros_like(q, dtype=np.float32)
-        lens = np.asarray(st.lens, dtype=np.int64)
+        lens = np.asarray(kv.lens, dtype=np.int64)
         first = np.maximum(0, lens - int(window)) if window else 0
         out, _ = kernels.attend_layer(
-            self.mirror(st), q, lens=lens, scale=scale, first=first, softcap=softcap,
+            self.mirror(kv), q, lens=lens, scale=scale, first=first, softcap=softcap,
             sinks=sinks, imp=imp)
         return out
 
-    def attend_chunk(self, q, st, *, s0, b, hpk, scale, window=None, imp=None):
-        if b == 0 or self._empty(st):
+    def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
+        if b == 0 or self._empty(kv):
             return np.zeros((b,) + tuple(np.shape(q))[1:], dtype=np.float32)
-        return kernels.attend_chunk(self.mirror(st), q, lens=st.lens, s0=s0, hpk=hpk,
+        return kernels.attend_chunk(self.mirror(kv), q, lens=kv.lens, s0=s0, hpk=hpk,
                                     scale=scale, window=window, imp=imp)
 
-    def quantize_rows(self, x, col, group):
+    def quantize_rows(self, x, col, *, group):
         if not self._native_quant:
-            return super().quantize_rows(x, col, group)
+            return super().quantize_rows(x, col, group=group)
         return kernels.quantize_rows(self._dev, x, col, group)
 
-    def bounded_attend(self, q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale,
-                       num_heads):
-        q32, sk, sv, gws, scale = check_bounded_attend_args(
-            q, ring_k, ring_v, seen, sink_k, sink_v, group_windows, rope, scale, num_heads)
-        seen = int(seen)
-        m = self._rings.get(ring_k)
+    def bounded_attend(self, q, ring, *, scale, num_heads):
+        q32, scale = check_bounded_attend_args(q, ring, scale, num_heads)
+        m = self.ring_mirror(ring)
         with kernels._launch_lock:
-            m.sync(ring_k, ring_v, seen, sk, sv, rope)
-            return _bounded.bounded_attend(m, q32, seen, gws, rope, scale)
+            m.sync(ring)
+            return _bounded.bounded_attend(m, q32, ring.seen, ring.group_windows, ring.rope, scale)
 
-    def nystrom_step(self, q_group, k_exact, v_exact, far, scale):
+    def nystrom_step(self, q_group, k_exact, v_exact, far, *, scale):
         if not self._native_nystrom:
-            return super().nystrom_step(q_group, k_exact, v_exact, far, scale)
+            return super().nystrom_step(q_group, k_exact, v_exact, far, scale=scale)
         return _nystrom.nystrom_step(self._dev, q_group, k_exact, v_exact, far, scale)

@@ -7,17 +7,15 @@ head (``BoundedState.insert`` writes slot ``(seen - 1) % window`` in place),
 so a step uploads that slot only; the attend itself rotates nothing but the
 query.
 
-What the mirror knows about the host ring is the array objects it was given
-(weak references: the ring arrays are allocated once per layer and written
-in place), the ``seen`` of its last sync, the rope, and a copy of the slot it
-wrote last. It uploads one slot when ``seen`` advanced by exactly one since
-the last sync AND that last-written slot still holds what it wrote;
-anything else (rollback, restore, load, clear, several inserts without an
-attend, a new rope) is a full re-upload. The slot check is what catches a
-``restore`` of a sibling speculation branch whose ``seen`` happens to be one
-ahead: its newest row differs from the one the mirror holds. A change that
-keeps both ``seen + 1`` and that row bit for bit but rewrites older slots is
-not seen; nothing in kvreg does that (see docs/opencl.md).
+What the mirror knows about the host ring is the :class:`kvreg.plugin.RingView`
+version of its last sync and which ring that is (its ``owner``, held weakly:
+a view of another ring, or one without an owner, is a full re-upload), the
+``seen`` then, the rope and the sinks. A view
+whose ``reset_version`` is not newer than that version has only had inserts
+since, so the slots of positions ``[seen then, seen)`` are uploaded (one slot
+for a decode step); anything else (rollback, restore, load, clear, more
+inserts than the window, a new rope) is a full re-upload. Every mutation of
+a ring moves its version, so no change goes unseen.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from kvreg.bounded import BoundedRope
 from . import config, programs
 from .device import DeviceState
 from .kernels import _launch_lock, launch_partial, scratch
+from .mirror import owner_ref, owns
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -46,9 +45,9 @@ class RingMirror:
         self.kvh = self.window = self.hd = self.sink = 0
         self.cap = 0  # rows per head on the device: sink + 2 * window
         self.seen = None
+        self.version = None
+        self._owner = None  # weakref to the ring ``version`` is of
         self.rope_key = None
-        self._refs = None  # weakrefs to the host ring_k, ring_v
-        self._last_k = self._last_v = None  # host copy of the slot written last
         self._sink_k = self._sink_v = None  # host copy of the sinks on the device
         self.bytes_uploaded = 0  # ring K+V and sink row bytes (cos/sin tables not counted)
         self.slot_uploads = 0  # single-slot decode updates
@@ -103,20 +102,15 @@ class RingMirror:
         self.sink_uploads += 1
 
     # -- the one entry point ---------------------------------------------------
-    def sync(self, ring_k: np.ndarray, ring_v: np.ndarray, seen: int, sink_k: np.ndarray,
-             sink_v: np.ndarray, rope: BoundedRope) -> None:
-        """Make the device hold ``ring_k``/``ring_v`` at ``seen`` and the sinks
-        (arguments as :func:`kvreg.bounded.check_bounded_attend_args` returns them)."""
+    def sync(self, ring) -> None:
+        """Make the device hold the ring and sinks of ``ring`` (a :class:`kvreg.plugin.RingView`)."""
+        ring_k, ring_v, seen, sink_k, sink_v, rope = ring.k, ring.v, ring.seen, ring.sink_k, ring.sink_v, ring.rope
         kvh, window, hd = ring_k.shape
         sink = sink_k.shape[1]
         rkey = (float(rope.theta), rope.dims(hd))
         self.syncs += 1
-        same = (
-            self._refs is not None
-            and self._refs[0]() is ring_k and self._refs[1]() is ring_v
-            and (kvh, window, hd, sink) == (self.kvh, self.window, self.hd, self.sink)
+        same = self.kbuf is not None and (kvh, window, hd, sink) == (self.kvh, self.window, self.hd, self.sink) \
             and rkey == self.rope_key
-        )
         if not same:
             cl = self.dev.cl
             self.kvh, self.window, self.hd, self.sink = kvh, window, hd, sink
@@ -124,28 +118,28 @@ class RingMirror:
             nbytes = max(4, kvh * self.cap * hd * 4)
             self.kbuf = cl.Buffer(self.dev.context, cl.mem_flags.READ_WRITE, nbytes)
             self.vbuf = cl.Buffer(self.dev.context, cl.mem_flags.READ_WRITE, nbytes)
-            self._refs = (weakref.ref(ring_k), weakref.ref(ring_v))
             self.rope_key = rkey
             self._sink_k = None
-            self.seen = None
+            self.version = self.seen = None
         if self._sink_k is None or not (_same_bits(sink_k, self._sink_k)
                                         and _same_bits(sink_v, self._sink_v)):
             self._store_sinks(sink_k, sink_v)
-        last = (self.seen - 1) % window if self.seen else None
-        step = (
-            self.seen is not None and seen == self.seen + 1 and window > 1 and last is not None
-            and _same_bits(ring_k[:, last], self._last_k) and _same_bits(ring_v[:, last], self._last_v)
-        )
-        if step:
-            self._store(ring_k, ring_v, np.array([seen - 1], np.int64), rope)
-            self.slot_uploads += 1
+        if not owns(self._owner, ring.owner):
+            # another ring's (or an ownerless) view: its versions say nothing about these slots
+            self.version = self.seen = None
+            self._owner = owner_ref(ring.owner)
+        if self.version == ring.version:
+            return
+        inserts_only = self.version is not None and self.version >= ring.reset_version and seen >= self.seen
+        if inserts_only and seen - self.seen < window:
+            if seen > self.seen:
+                self._store(ring_k, ring_v, np.arange(self.seen, seen, dtype=np.int64), rope)
+                self.slot_uploads += 1
         else:
             n = min(seen, window)
             self._store(ring_k, ring_v, np.arange(seen - n, seen, dtype=np.int64), rope)
             self.full_reuploads += 1
-        s = (seen - 1) % window
-        self._last_k, self._last_v = ring_k[:, s].copy(), ring_v[:, s].copy()
-        self.seen = seen
+        self.seen, self.version = seen, ring.version
 
     def counters(self) -> dict[str, int]:
         return {
@@ -159,21 +153,22 @@ class RingMirror:
 
 
 class RingMirrors:
-    """The mirrors of one backend, one per host ring (keyed by the ``ring_k``
-    object, dropped when that array is garbage collected)."""
+    """The mirrors of one backend, one per host ring (keyed by the view's
+    ``owner``, dropped when the ring is garbage collected; a view without an
+    owner gets a mirror of its own)."""
 
     def __init__(self, dev: DeviceState):
         self.dev = dev
-        self._by_id: dict[int, RingMirror] = {}
+        self._by_owner: "weakref.WeakKeyDictionary[object, RingMirror]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def get(self, ring_k: np.ndarray) -> RingMirror:
-        key = id(ring_k)
+    def get(self, owner) -> RingMirror:
+        if owner is None:
+            return RingMirror(self.dev)
         with self._lock:
-            m = self._by_id.get(key)
-            if m is None or m._refs is None or m._refs[0]() is not ring_k:
-                m = self._by_id[key] = RingMirror(self.dev)
-                weakref.finalize(ring_k, self._by_id.pop, key, None)
+            m = self._by_owner.get(owner)
+            if m is None:
+                m = self._by_owner[owner] = RingMirror(self.dev)
         return m
 
 

@@ -6,18 +6,16 @@ device buffers of its own capacity, byte for byte in their storage dtype (f16
 and bf16 ``k``/``v`` blocks stay 2 bytes an element on the device: the
 kernels widen them as they read), and remembers what it holds:
 
-* ``generation`` -- the seed's storage generation. Every mutation other than
-  append and truncate_last (clear, trim, evict, gather, wire import) takes a
-  fresh value, so a changed generation means "different rows": full upload.
-* ``edits`` + the mirrored lens per head -- ``truncate_last`` KEEPS the
-  generation, and truncating 5 rows then appending 5 new ones gives back the
-  same (generation, rows). The storage counts truncations in ``edits`` and
-  ``edit_floor(since)`` gives, per head, the lowest length any truncation
-  after edit ``since`` reached; rows from there on are re-uploaded. ``None``
-  (history gone) means a full upload.
-* the fields' set-state -- freezing the q8 field requantizes every stored row
-  in place during an append, with neither a new generation nor a truncation;
-  the flip of ``kcol_set``/``vcol_set`` is what reveals it (full upload).
+* ``version`` -- the :class:`kvreg.plugin.KvView`'s version, which moves on
+  every mutation of the storage: the same version means nothing to do.
+* ``owner`` -- which storage that version is of (held weakly): a view of
+  another storage, or one without an owner, is a full upload (its
+  ``unchanged_rows`` says nothing about rows another storage left here).
+* ``KvView.unchanged_rows(version mirrored)`` -- per head, how many leading
+  rows are still the bits mirrored then (truncations lower it, appends do
+  not), or None when every row may have changed (the q8 freeze, a trim, an
+  eviction, clear, an import, or a truncation log that no longer reaches
+  back): rows from that floor up are uploaded, None is a full upload.
 
 So a decode step uploads only the appended row of each head, which the
 counters (``bytes_uploaded``, ``rows_uploaded``, ``partial_uploads``,
@@ -28,7 +26,7 @@ a few rows per head, so they are re-uploaded whole (both sides and ``xlen``)
 whenever they may have changed: a full upload, a changed ``xlen`` (an append
 inside the exact range, a truncation, a trim), or a truncation since the last
 sync whose floor reaches below ``xlen`` (truncate + re-append rewrites exact
-rows in place, same generation, same ``xlen``). A decode step past the exact
+rows in place, same ``xlen``). A decode step past the exact
 range uploads none of them (``exact_uploads``/``exact_bytes_uploaded`` count
 them apart from the row counters).
 
@@ -39,7 +37,7 @@ on every append (a row leaving it is quantized into its int8 slot then). So:
 
 * the window arrays and ``b8`` (a few KiB) are uploaded whole, as stored
   (binary16, 2 bytes an element), whenever they may have changed: any change
-  of (generation, edits, lens, b8) since the last sync
+  of version since the last sync
   (``window_uploads``/``window_bytes_uploaded``);
 * the int8 blocks of a windowed side (``kq``/``ks``, ``vq``/``vs``) are
   uploaded over ``[min(valid, b8 last synced), b8)``: the rows that left the
@@ -51,6 +49,8 @@ on every append (a row leaving it is quantized into its int8 slot then). So:
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from kvreg.errors import ShapeError
@@ -59,6 +59,19 @@ from . import config
 from .device import DeviceState
 
 ROW_ARRAYS = ("k", "kq", "ks", "v", "vq", "vs")
+
+
+def owner_ref(owner):
+    """A weak reference to a view's owner (None: no owner, or not weakly referable)."""
+    try:
+        return None if owner is None else weakref.ref(owner)
+    except TypeError:
+        return None
+
+
+def owns(ref, owner) -> bool:
+    """Whether ``ref`` (from :func:`owner_ref`) is a live reference to ``owner``."""
+    return ref is not None and owner is not None and ref() is owner
 
 
 def _present(storage, name):
@@ -76,9 +89,8 @@ class DeviceMirror:
         self.cap = 0
         self.nkv = 0
         self.hd = 0
-        self.generation = None
-        self.edits = None
-        self.field_state = None
+        self.version = None
+        self._owner = None  # weakref to the storage ``version`` is of
         self.lens = np.zeros(0, dtype=np.int64)
         self.kcol = None  # device buffers [nkv, hd], ones where unset
         self.vcol = None
@@ -102,7 +114,6 @@ class DeviceMirror:
         self.b8_buf = None
         self.b8 = np.zeros(0, dtype=np.int64)  # the bound the int8 rows are synced to
         self.window_names: tuple[str, ...] = ()  # int8 arrays whose tail is the window
-        self._window_key = None
         self.window_uploads = 0
         self.window_bytes_uploaded = 0
 
@@ -303,40 +314,23 @@ class DeviceMirror:
         self.exact_uploads += 1
 
     # -- the one entry point ----------------------------------------------
-    def sync(self, storage) -> None:
-        lens = np.asarray(storage.lens, dtype=np.int64)
-        layout = self._layout(storage)
+    def sync(self, kv) -> None:
+        """Make the device hold the rows of ``kv`` (a :class:`kvreg.plugin.KvView`)."""
+        self.syncs += 1
+        mine = owns(self._owner, kv.owner)
+        if mine and kv.version == self.version:
+            return
+        lens = np.asarray(kv.lens, dtype=np.int64)
+        layout = self._layout(kv)
         if not layout:
             raise ShapeError("kvreg-opencl: storage has neither f32 nor q8 K/V arrays")
-        some = next(iter(layout))
-        nkv = int(np.asarray(getattr(storage, some)).shape[0])
-        hd = int(np.asarray(getattr(storage, "k" if "k" in layout else "kq")).shape[2])
-        fstate = tuple(
-            tuple(bool(x) for x in np.asarray(getattr(storage, f, ()), dtype=bool).ravel())
-            for f in ("kcol_set", "vcol_set")
-        )
-        gen = storage.generation
-        edits = getattr(storage, "edits", 0)
-        self.syncs += 1
-
-        floor = None
-        full = (
-            gen != self.generation
-            or layout != self.row_shapes
-            or nkv != self.nkv
-            or hd != self.hd
-            or fstate != self.field_state
-        )
+        nkv, hd = kv.num_kv_heads, kv.head_dim
+        floor = kv.unchanged_rows(self.version) if mine else None
+        full = floor is None or layout != self.row_shapes or nkv != self.nkv or hd != self.hd
         if not full:
-            valid = np.minimum(self.lens, lens)
-            if edits != self.edits:
-                floor = storage.edit_floor(self.edits)
-                if floor is None:
-                    full = True
-                else:
-                    valid = np.minimum(valid, np.asarray(floor, dtype=np.int64))
+            valid = np.minimum(self.lens, floor)
         need = int(lens.max(initial=0))
-        xcap, xk, xv, xlen = self._exact_layout(storage, nkv, hd)
+        xcap, xk, xv, xlen = self._exact_layout(kv, nkv, hd)
         # exact rows: re-upload on any change that may have touched them
         redo_exact = (
             full
@@ -344,9 +338,9 @@ class DeviceMirror:
             or (xcap and not np.array_equal(xlen, self.xlen))
             or (xk is None) != (self.xk is None)
             or (xv is None) != (self.xv is None)
-            or (xcap and edits != self.edits and (floor is None or bool(np.any(floor < xlen))))
+            or (xcap and bool(np.any(floor < xlen)))
         )
-        wcap, thk, thv, b8 = self._window_layout(storage, nkv, hd)
+        wcap, thk, thv, b8 = self._window_layout(kv, nkv, hd)
         # the int8 arrays of a windowed side hold rows [0, b8) only
         wnames = tuple(n for n, th in (("kq", thk), ("ks", thk), ("vq", thv), ("vs", thv))
                        if th is not None and n in layout)
@@ -358,10 +352,10 @@ class DeviceMirror:
             self.buffers = {}
             cap = max(config.MIRROR_MIN_ROWS, 1 << max(0, need - 1).bit_length())
             self._alloc(cap, None)
-            self._upload_fields(storage)
+            self._upload_fields(kv)
             zero = np.zeros(nkv, dtype=np.int64)
-            self._upload_rows(storage, zero, lens, plain)
-            self._upload_rows(storage, zero, b8, wnames)
+            self._upload_rows(kv, zero, lens, plain)
+            self._upload_rows(kv, zero, b8, wnames)
             self.full_reuploads += 1
         else:
             if need > self.cap:
@@ -369,25 +363,23 @@ class DeviceMirror:
                 while cap < need:
                     cap *= 2
                 self._alloc(cap, valid)
-            moved = self._upload_rows(storage, valid, lens, plain)
+            moved = self._upload_rows(kv, valid, lens, plain)
             if wnames:
                 # rows that left the window since the last sync (and any the
                 # valid bound says were rewritten) get their int8 form now
                 wvalid = np.minimum(valid, self.b8) if self.b8.shape == valid.shape else np.zeros_like(valid)
-                moved += self._upload_rows(storage, wvalid, b8, wnames)
+                moved += self._upload_rows(kv, wvalid, b8, wnames)
             if moved:
                 self.partial_uploads += 1
         if redo_exact:
             self._upload_exact(xcap, xk, xv, xlen)
-        wkey = (gen, edits, lens.tobytes(), None if not wcap else np.asarray(b8).tobytes())
-        if full or wcap != self.wcap or wnames != self.window_names or wkey != self._window_key:
-            self._upload_window(wcap, thk, thv, b8)
-        self._window_key = wkey
+        # the window (a few KiB) changes at every append: uploaded whole
+        self._upload_window(wcap, thk, thv, b8)
         self.window_names = wnames
         self.b8 = np.array(b8, dtype=np.int64)
-        self.generation = gen
-        self.edits = edits
-        self.field_state = fstate
+        self.version = kv.version
+        if not mine:
+            self._owner = owner_ref(kv.owner)
         self.lens = lens.copy()
 
     def counters(self) -> dict[str, int]:

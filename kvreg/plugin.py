@@ -1,0 +1,397 @@
+"""The kernel boundary: what a backend computes, on what it reads.
+
+A backend is a subclass of :class:`Backend` registered through the ``kvreg``
+pluggy hook (:mod:`kvreg.hookspecs`). Every kernel below is abstract here,
+with its full signature and contract; :class:`kvreg.reference.ReferenceBackend`
+implements all of them in NumPy, and a backend usually subclasses the
+reference and overrides what it accelerates (``docs/writing-a-backend.md``).
+
+One argument style: the data a kernel reads come first, positionally
+(query arrays, a read-only view of the layer's rows, far-field state), every
+parameter after them is keyword-only. Kernels never write what they read:
+views hold read-only arrays, far-field state is returned, not mutated; the
+one array a kernel writes is the ``imp`` accumulator it is handed.
+
+Views (:class:`KvView`, :class:`RingView`) are frozen snapshots of a layer's
+storage or bounded ring: the arrays as stored (layout in docs/kernels.md),
+their lengths, and a ``version`` that moves on every mutation of what they
+describe, so a device mirror keyed on ``version`` alone is never stale.
+Their arrays are read-only views of the owner's arrays, valid for the call
+they are handed to.
+
+Numerics contract (the conformance suite checks it):
+
+* exact class, bit for bit on every backend: ``quantize_rows``,
+  ``freeze_field``, ``gather_rows``;
+* within one backend, bit for bit: ``attend_group`` of a group == each head
+  alone; ``attend_layer`` == ``attend_group`` per KV group; scoring ``[first,
+  n)`` == the ``-inf``-masked full row; a trimmed layer == the untrimmed one;
+  ``upto=i`` == the call when the layer held ``i`` rows; the same bits at
+  any thread count and compile-cache state;
+* tolerance class against the float64 oracle (one table,
+  :mod:`kvreg.conformance.tolerances`): attention outputs, probabilities and
+  importance, ``attend_chunk``, bounded and Nyström kernels.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
+from .quant import dequantize_half_scaled, dequantize_rows, from_half, unpack_int4
+
+if TYPE_CHECKING:
+    from .bounded import BoundedRope
+    from .nystrom import FarField
+
+#: Every kernel a backend implements (``kvreg info`` says which natively).
+KERNELS = (
+    "attend_group",
+    "attend_layer",
+    "attend_chunk",
+    "quantize_rows",
+    "freeze_field",
+    "gather_rows",
+    "bounded_attend",
+    "nystrom_prefill",
+    "nystrom_absorb",
+    "nystrom_step",
+)
+
+_NO_FLOOR = np.iinfo(np.int64).max
+
+
+def readonly(a: np.ndarray | None) -> np.ndarray | None:
+    """A read-only view of ``a`` (None stays None)."""
+    if a is None:
+        return None
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KvView:
+    """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
+
+    Head ``h`` holds ``lens[h]`` rows. Which blocks are present depends on
+    ``mode`` (absent ones are None):
+
+    * unquantized side: ``k``/``v [nkv, cap, hd]`` in ``mode.float_dtype``
+      (float32, float16, or bfloat16 as uint16 bits);
+    * q8 side: ``kq [nkv, cap, hd]`` int8 with ``ks [nkv, cap, ngk]`` float32
+      scales (``KV_K_GROUP`` channels each), ``vq`` with ``vs [nkv, cap]``;
+      a 2f field ``kcol``/``vcol [nkv, hd]`` applies where ``kcol_set[h]``;
+    * exact rows: ``xk``/``xv [nkv, exact_cap, hd]`` float32 in field space,
+      rows ``[0, xlen[h])`` of head ``h`` are read there;
+    * float16 window (``window > 0``): rows ``[b8[h], lens[h])`` of a
+      quantized side are ``thk``/``thv [nkv, window, hd]`` (oldest first),
+      not the integer blocks;
+    * q4 (``mode.tiered``): int4 ``k4``/``v4`` with ``k4s``/``v4s`` below
+      ``b4[h]``, the int8 tier ``t8k``/``t8v`` (``t8ks``/``t8vs``) over
+      ``[b4, b8)``, the window above. Read rows with :meth:`attended_rows`.
+
+    Rows of a side with ``rot_k``/``rot_v`` are in the Walsh–Hadamard
+    rotated basis (the layer rotates queries and un-rotates outputs).
+    ``owner`` is the storage's identity (a device mirror's key; not for reading).
+    """
+
+    owner: object
+    mode: KvMode
+    num_kv_heads: int
+    head_dim: int
+    ngk: int
+    cap: int
+    lens: np.ndarray
+    version: int
+    k: np.ndarray | None
+    v: np.ndarray | None
+    kq: np.ndarray | None
+    ks: np.ndarray | None
+    vq: np.ndarray | None
+    vs: np.ndarray | None
+    kcol: np.ndarray
+    vcol: np.ndarray
+    kcol_set: np.ndarray
+    vcol_set: np.ndarray
+    exact_cap: int
+    xk: np.ndarray | None
+    xv: np.ndarray | None
+    xlen: np.ndarray
+    window: int
+    thk: np.ndarray | None
+    thv: np.ndarray | None
+    b8: np.ndarray | None
+    k4: np.ndarray | None
+    k4s: np.ndarray | None
+    v4: np.ndarray | None
+    v4s: np.ndarray | None
+    b4: np.ndarray | None
+    t8k: np.ndarray | None
+    t8ks: np.ndarray | None
+    t8v: np.ndarray | None
+    t8vs: np.ndarray | None
+    rot_k: bool
+    rot_v: bool
+    # the change log behind unchanged_rows (LayerStorage keeps it): the
+    # version of the last rewrite of every row, the version up to which
+    # truncation records were dropped, and ``(version, lens)`` per truncation
+    reset_version: int
+    log_start: int
+    floors: tuple
+
+    def unchanged_rows(self, since: int | None) -> np.ndarray | None:
+        """Per head, how many leading rows are the same bits as at version
+        ``since`` (a device mirror re-uploads from there): None when
+        everything may have changed (``since`` is None or older than the last
+        rewrite, or the truncation log no longer reaches back), else an
+        int64 ``[nkv]`` floor (``INT64_MAX`` where only appends happened —
+        the caller takes the minimum with the rows it holds). Under a window
+        the integer rows below the ``b8`` the caller saw are covered too."""
+        if since is None or since < max(self.reset_version, self.log_start):
+            return None
+        floor = np.full(self.num_kv_heads, _NO_FLOOR, np.int64)
+        for ver, lens in self.floors:
+            if ver > since:
+                np.minimum(floor, lens, out=floor)
+        return floor
+
+    def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
+        """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them,
+        float32 ``[n-lo, hd]``: unquantized rows widened (f32: a view), q8
+        ``q·s·col`` with the window rows widened and the exact rows ``x·col``,
+        q4 each row from its tier. ``side`` is ``"k"`` or ``"v"``."""
+        if self.mode.tiered:
+            return self._tiered_rows(side, h, lo, n)
+        quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
+        if not quantized:
+            return from_half((self.k if side == "k" else self.v)[h, lo:n])
+        if side == "k":
+            rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
+        else:
+            rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
+        if self.window:
+            b8 = int(self.b8[h])
+            w0 = max(lo, b8)
+            if n > w0:
+                th = self.thk if side == "k" else self.thv
+                rows[w0 - lo:] = th[h, w0 - b8:n - b8]
+        x = self.xk if side == "k" else self.xv
+        xl = int(self.xlen[h])
+        if lo < xl:
+            rows[: xl - lo] = x[h, lo:xl]
+        col, col_set = (self.kcol, self.kcol_set) if side == "k" else (self.vcol, self.vcol_set)
+        return rows * col[h] if col_set[h] else rows
+
+    def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
+        hd = self.head_dim
+        b4, b8 = int(self.b4[h]), int(self.b8[h])
+        out = np.empty((max(n - lo, 0), hd), np.float32)
+        z = min(b4, n)
+        if z > lo:
+            codes = unpack_int4((self.k4 if side == "k" else self.v4)[h, lo:z], hd)
+            scales = (self.k4s if side == "k" else self.v4s)[h, lo:z]
+            out[: z - lo] = dequantize_half_scaled(codes, scales, Q4_K_GROUP if side == "k" else Q4_V_GROUP)
+        a0, z = max(lo, b4), min(b8, n)
+        if z > a0:
+            t8, t8s = (self.t8k, self.t8ks) if side == "k" else (self.t8v, self.t8vs)
+            o = a0 - b4
+            out[a0 - lo: z - lo] = dequantize_half_scaled(t8[h, o:o + z - a0], t8s[h, o:o + z - a0], Q4_INT8_GROUP)
+        a0 = max(lo, b8)
+        if n > a0:
+            th = self.thk if side == "k" else self.thv
+            out[a0 - lo:] = th[h, a0 - b8:n - b8].astype(np.float32)
+        xl = min(int(self.xlen[h]), n)
+        if lo < xl:
+            out[: xl - lo] = (self.xk if side == "k" else self.xv)[h, lo:xl]
+        return out
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RingView:
+    """A bounded layer's ring at one ``version``, with what attending it needs.
+
+    ``k``/``v [kvh, window, hd]`` float32 raw (un-rotated) rows, token ``t``
+    in slot ``t % window``; ``seen`` tokens inserted; ``sink_k``/``sink_v
+    [kvh, sink, hd]`` position-free sink rows; ``group_windows [kvh]`` int64
+    (each group reads its newest ``min(len, w_g)`` rows); ``rope`` the
+    rotation. ``version`` moves on every mutation of the ring;
+    ``reset_version`` is the version of the last one that was not an insert
+    (rollback, restore, load, clear): a mirror at version ``u >=
+    reset_version`` that saw ``seen_u`` is current after uploading the slots
+    of positions ``[seen_u, seen)``.
+    """
+
+    k: np.ndarray
+    v: np.ndarray
+    seen: int
+    sink_k: np.ndarray
+    sink_v: np.ndarray
+    group_windows: tuple
+    rope: "BoundedRope"
+    owner: object
+    version: int
+    reset_version: int
+
+
+class Backend(abc.ABC):
+    """Base of every backend: a name, a device, declared capabilities and the
+    kernels. Subclass :class:`kvreg.reference.ReferenceBackend` to inherit a
+    correct NumPy implementation of every kernel."""
+
+    # ── declarations (class attributes; kvreg info and the conformance suite read them) ──
+
+    #: Registry name (``KVREG_BACKEND``, ``--kvreg-backend``).
+    name: ClassVar[str] = "abstract"
+    #: Higher wins ``auto`` among backends that start on this machine.
+    priority: ClassVar[int] = 0
+    #: Whether ``auto`` may pick it (CPU backends that need no device choice).
+    auto: ClassVar[bool] = False
+    #: The Nyström kernels release the GIL and do not thread themselves, so an
+    #: O(1) seal may run its KV groups on threads.
+    parallel_seal: ClassVar[bool] = False
+    #: ``attend_chunk`` reads q8 storage itself (without it the layer hands
+    #: the kernel a widened float32 view of the key range).
+    native_q8_chunk: ClassVar[bool] = False
+    #: KV modes whose rows the attention kernels read natively (the rest run
+    #: the reference's arithmetic inside the backend's own override).
+    native_modes: ClassVar[frozenset[KvMode]] = frozenset()
+    #: Keeps device copies of storage, keyed on :attr:`KvView.version`.
+    device_resident: ClassVar[bool] = False
+    #: This backend's list of known conformance gaps, as a package resource
+    #: ``"package:relative/path.txt"`` (format: kvreg/conformance/README.md).
+    conformance_xfail: ClassVar[str | None] = None
+    #: True on the NumPy reference only: its kernels are nobody's native ones.
+    is_reference: ClassVar[bool] = False
+
+    def __init__(self, device: str | None = None):
+        self.device = device or "cpu"
+
+    def describe(self) -> str:
+        return f"{self.name} on {self.device}"
+
+    @classmethod
+    def devices(cls) -> list[str]:
+        """Device specs this backend can run on here: each one a ``device``
+        its constructor accepts (``kvreg conformance --backend all`` runs the
+        suite once per entry). Raise BackendError, saying why, when none."""
+        return ["cpu"]
+
+    @classmethod
+    def device_labels(cls) -> list[str]:
+        """Human descriptions of :meth:`devices`, in the same order (``kvreg info``)."""
+        return cls.devices()
+
+    @classmethod
+    def native_kernels(cls) -> list[str]:
+        """Kernels this class defines, or a parent of it other than the
+        reference (whose kernels are native to the reference alone)."""
+        out = []
+        for k in KERNELS:
+            owner = next((c for c in cls.__mro__ if k in c.__dict__), Backend)
+            if owner is not Backend and (owner is cls or not owner.__dict__.get("is_reference", False)):
+                out.append(k)
+        return out
+
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The declarations above, as ``kvreg info`` prints them."""
+        return {
+            "native_kernels": cls.native_kernels(),
+            "native_modes": sorted(m.value for m in cls.native_modes),
+            "parallel_seal": cls.parallel_seal,
+            "native_q8_chunk": cls.native_q8_chunk,
+            "device_resident": cls.device_resident,
+        }
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+    # ── attention over a layer's rows ──
+
+    @abc.abstractmethod
+    def attend_group(self, q: np.ndarray, kv: KvView, g: int, *, scale: float, first: int = 0,
+                     upto: int | None = None, softcap: float = 0.0, sinks: np.ndarray | None = None,
+                     imp: np.ndarray | None = None) -> np.ndarray:
+        """Decode attention of KV group ``g``: ``q [nh, hd]`` float32 are the
+        group's Q heads; rows ``[first, n)`` of head ``g`` with ``n =
+        min(lens[g], upto)`` are scored (``first < n``, or ``n == 0`` which
+        gives zeros), times ``scale``, tanh-capped at ``softcap`` when > 0;
+        ``sinks [nh]`` learned sink logits join each softmax (or None).
+        ``imp [m]`` float32 (or None) gets ``Σ_h prob[h, p]`` added for ``p``
+        in ``[first, min(m, n))``, heads in order. Returns ``[nh, hd]``
+        float32. Every head is scored on its own (a group == its heads)."""
+
+    @abc.abstractmethod
+    def attend_layer(self, q: np.ndarray, kv: KvView, *, scale: float, window: int | None = None,
+                     softcap: float = 0.0, sinks: np.ndarray | None = None,
+                     imp: np.ndarray | None = None) -> np.ndarray:
+        """Every KV group in one call: ``q [nh, hd]``, ``nh = hpk * nkv``,
+        group ``g`` reads Q heads ``[g*hpk, (g+1)*hpk)`` with ``first =
+        max(0, lens[g] - window)`` (``window`` None or 0: all rows). Must equal
+        :meth:`attend_group` per group bit for bit."""
+
+    @abc.abstractmethod
+    def attend_chunk(self, q: np.ndarray, kv: KvView, *, s0: int, b: int, hpk: int, scale: float,
+                     window: int | None = None, imp: np.ndarray | None = None) -> np.ndarray:
+        """Causal prefill: ``q [b, nh, hd]`` are the queries of rows ``s0 ..
+        s0+b-1``, already stored; row ``i`` attends rows ``[max(0,
+        s0+i+1-window), s0+i+1)`` of its group. ``imp`` gets the masked column
+        sums. Returns ``[b, nh, hd]`` float32. ``kv`` is float32 K and V unless
+        :attr:`native_q8_chunk` (the layer hands over a widened view)."""
+
+    # ── the exact class ──
+
+    @abc.abstractmethod
+    def quantize_rows(self, x: np.ndarray, col: np.ndarray | None, *, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """Int8 rows of ``x [n, hd]`` float32 divided by ``col`` (``[hd]``,
+        ``[n, hd]`` or None) with one float32 scale per ``group`` channels:
+        ``(q int8 [n, hd], s float32 [n, ceil(hd/group)])``, bit for bit
+        :func:`kvreg.quant.quantize_rows` (ties away from zero)."""
+
+    @abc.abstractmethod
+    def freeze_field(self, q: np.ndarray, s: np.ndarray, *, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The 2f freeze of one head's stored rows (``q [n, hd]`` int8, ``s [n,
+        ceil(hd/group)]``): dequantize, RMS per channel summed in row order
+        (floor 1e-6), requantize every row against it: ``(col [hd], q2,
+        s2)``, bit for bit :func:`kvreg.quant.freeze_field`."""
+
+    @abc.abstractmethod
+    def gather_rows(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """``rows[idx]`` (``idx`` ascending int64), bit for bit."""
+
+    # ── bounded layers ──
+
+    @abc.abstractmethod
+    def bounded_attend(self, q: np.ndarray, ring: RingView, *, scale: float, num_heads: int) -> np.ndarray:
+        """Attend raw ``q [num_heads, hd]`` at position ``ring.seen - 1`` over
+        each group's sinks and its newest ring rows, RoPE applied to the
+        query and each row at its position: the contract of
+        :func:`kvreg.bounded.bounded_attend`. Returns ``[num_heads, hd]`` float32."""
+
+    # ── the O(1) seal's far field ──
+
+    @abc.abstractmethod
+    def nystrom_prefill(self, probes: np.ndarray, k_far: np.ndarray, v_far: np.ndarray, *,
+                        scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Far sums of probe queries ``probes [hpk, p, hd]`` over far rows
+        ``k_far``/``v_far [n >= 1, hd]``: ``(c, z [hpk, p], theta [hpk, p,
+        hd])`` float64 (:func:`kvreg.nystrom.nystrom_prefill`)."""
+
+    @abc.abstractmethod
+    def nystrom_absorb(self, far: "FarField", k_row: np.ndarray, v_row: np.ndarray, *,
+                       scale: float) -> "FarField":
+        """The far field after one more row (leaving the window) joined it:
+        a new :class:`~kvreg.nystrom.FarField`; ``far`` is not modified
+        (:func:`kvreg.nystrom.nystrom_absorb`)."""
+
+    @abc.abstractmethod
+    def nystrom_step(self, q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
+                     far: "FarField | None", *, scale: float) -> np.ndarray:
+        """One sealed decode read of a group: ``q_group [hpk, hd]`` over the
+        exact rows ``k_exact``/``v_exact [e >= 1, hd]`` plus the far estimate:
+        ``[hpk, hd]`` float32 (:func:`kvreg.nystrom.nystrom_step`)."""
