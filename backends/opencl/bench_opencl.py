@@ -19,38 +19,41 @@ one-slot mirror update.
 from __future__ import annotations
 
 import argparse
-import itertools
 import time
-from types import SimpleNamespace
 
 import numpy as np
+from kvreg.modes import KvMode
+from kvreg.storage import LayerStorage
 
 from kvreg_opencl import config, device, kernels, mirror
 
 NQ, NKV, HD = 32, 8, 128
-_GEN = itertools.count(10**9)
 
 
 def make_storage(rows: int, mode: str, seed: int = 0):
+    """The view of a real layer storage holding ``rows`` random rows per
+    head: float32 (``f32``), or int8 codes with random scales in the q8
+    layout without a float16 window or a frozen field (``q8``: the
+    ``q8_2f`` storage below its freeze, whatever the row count)."""
     rng = np.random.default_rng(seed)
-    st = SimpleNamespace(generation=next(_GEN), edits=0, lens=np.full(NKV, rows, np.int64),
-                         k=None, kq=None, ks=None, v=None, vq=None, vs=None,
-                         kcol=np.ones((NKV, HD), np.float32), vcol=np.ones((NKV, HD), np.float32),
-                         kcol_set=np.zeros(NKV, bool), vcol_set=np.zeros(NKV, bool))
     if mode == "f32":
-        st.k = rng.standard_normal((NKV, rows, HD), dtype=np.float32)
-        st.v = rng.standard_normal((NKV, rows, HD), dtype=np.float32)
+        st = LayerStorage(NKV, HD, KvMode.F32)
+        blocks = {"k": rng.standard_normal((NKV, rows, HD), dtype=np.float32),
+                  "v": rng.standard_normal((NKV, rows, HD), dtype=np.float32)}
     else:
-        st.kq = rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8)
-        st.ks = rng.random((NKV, rows, HD // 32), dtype=np.float32) * 0.02
-        st.vq = rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8)
-        st.vs = rng.random((NKV, rows), dtype=np.float32) * 0.02
-    st.edit_floor = lambda since: st.lens.copy()
-    return st
+        st = LayerStorage(NKV, HD, KvMode.Q8_2F)
+        blocks = {"kq": rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8),
+                  "ks": rng.random((NKV, rows, HD // 32), dtype=np.float32) * 0.02,
+                  "vq": rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8),
+                  "vs": rng.random((NKV, rows), dtype=np.float32) * 0.02}
+    st.append(blocks, np.arange(NKV), rows)  # the storage's own append: one version, every head
+    return st.view()
 
 
-def kv_bytes(st) -> int:
-    return sum(a.nbytes for a in (st.k, st.kq, st.ks, st.v, st.vq, st.vs) if a is not None)
+def kv_bytes(kv) -> int:
+    """Bytes of the stored K/V rows (not the capacity past them)."""
+    n = int(kv.lens.max(initial=0))
+    return sum(a[:, :n].nbytes for a in (kv.k, kv.kq, kv.ks, kv.v, kv.vq, kv.vs) if a is not None)
 
 
 def timeit(fns, reps: int) -> tuple[list[float], list[float]]:
@@ -108,15 +111,14 @@ def bench_bounded(window: int, reps: int, use_numba: bool):
 
         def fn():
             st.insert(*rows[st.seen - 3 * window - 17])
-            return be.bounded_attend(q, st.ring_k, st.ring_v, st.seen, weights.sink_k, weights.sink_v,
-                                     weights.group_windows, rope, scale, NQ)
+            return be.bounded_attend(q, st.view(weights, rope), scale=scale, num_heads=NQ)
         return fn
 
     fns = [step(i) for i in range(len(backends))]
     times, cpu = timeit(fns, reps)
     outs = [fn() for fn in fns]  # same step count on every copy: same ring, same answer
     ref = outs[1]
-    m = backends[0][1].ring_mirror(states[0].ring_k).counters()
+    m = backends[0][1].ring_mirror(states[0].view(weights, rope)).counters()
     nbytes = 2 * NKV * window * HD * 4
     print(f"bounded window={window} sink={sink} {NQ}Q/{NKV}KV hd {HD} "
           f"(ring K+V {nbytes / 2**20:.0f} MiB); ring mirror: {m['slot_uploads']} one-slot updates, "

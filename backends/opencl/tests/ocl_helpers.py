@@ -1,13 +1,12 @@
-"""Test helpers: a minimal fake of the core's layer storage (the attributes
-docs/kernels.md lists), the careful numpy q8 quantizer and the f64 oracle."""
+"""Test helpers: a layer's rows in the core's REAL storage (driven through
+its public operations, read through the :class:`kvreg.plugin.KvView` a
+kernel gets), the careful numpy q8 quantizer and the f64 oracle."""
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
-_GEN = itertools.count(1)
+from kvreg.layer import LayerKvCache
 
 
 def quantize_ref(x, col, group):
@@ -37,132 +36,95 @@ def quantize_ref(x, col, group):
     return q, s
 
 
-class FakeStorage:
-    """Head-major layer storage with the attributes the mirror reads.
+#: The storage modes the mirror tests drive directly: unquantized float32,
+#: and the q8 layouts without a float16 window or rotation (the seed's 2f
+#: storage: int8 rows, their field frozen at KV_COL_WARMUP = 64 rows).
+#: The windowed q8 modes are tested through the layer (test_opencl_window).
+MODES = ("f32", "q8_2f", "q8k_2f", "q8v_2f")
+Q8_MODES = MODES[1:]
+#: float32 scores/exp/sums against the f64 oracle over <= 64 rows.
+RTOL = 2e-5
 
-    ``exact``: q8 exact rows (the core's ``exact_cap``): the first ``exact``
-    rows of each head are also kept in float32 field space (``xk``/``xv`` for
-    the quantized sides, ``xlen`` per head) and attended instead of their
-    int8 copies."""
 
-    def __init__(self, nkv, hd, *, kq=False, vq=False, cap=4, exact=0):
-        self.nkv, self.hd, self.cap = nkv, hd, cap
-        self.k_quant, self.v_quant = kq, vq
-        ngk = -(-hd // 32)
-        z = lambda *s, dt=np.float32: np.zeros((nkv, cap) + s, dtype=dt)
-        self.k = None if kq else z(hd)
-        self.kq = z(hd, dt=np.int8) if kq else None
-        self.ks = z(ngk) if kq else None
-        self.kcol = np.ones((nkv, hd), np.float32) if kq else None
-        self.kcol_set = np.zeros(nkv, bool) if kq else None
-        self.v = None if vq else z(hd)
-        self.vq = z(hd, dt=np.int8) if vq else None
-        self.vs = z() if vq else None
-        self.vcol = np.ones((nkv, hd), np.float32) if vq else None
-        self.vcol_set = np.zeros(nkv, bool) if vq else None
-        self.lens = np.zeros(nkv, np.int64)
-        self.exact_cap = int(exact) if (kq or vq) else 0
-        xz = lambda on: np.zeros((nkv, self.exact_cap, hd), np.float32) if on and self.exact_cap else None
-        self.xk, self.xv = xz(kq), xz(vq)
-        self.xlen = np.zeros(nkv, np.int64)
-        self.generation = next(_GEN)
-        self.edits = 0
-        self._hist = []  # (edit number, lens after that truncation)
+class Rows:
+    """One layer's rows in the core's own :class:`kvreg.storage.LayerStorage`.
 
-    def _grow(self, need):
-        if need <= self.cap:
-            return
-        cap = self.cap
-        while cap < need:
-            cap *= 2
-        for name in ("k", "kq", "ks", "v", "vq", "vs"):
-            a = getattr(self, name)
-            if a is not None:
-                b = np.zeros((a.shape[0], cap) + a.shape[2:], a.dtype)
-                b[:, : a.shape[1]] = a
-                setattr(self, name, b)
-        self.cap = cap
+    A thin handle on a reference-backend :class:`kvreg.LayerKvCache`: every
+    mutation is the core's (``append`` with dead heads, ``truncate_last``,
+    ``drop_front`` = eviction of the oldest rows, ``clear``; the q8 field
+    freezes at the append that finds 64 rows stored), so each one moves the
+    storage's ``version`` and change log exactly as in production. A kernel
+    or mirror reads :meth:`view`; the oracle reads :meth:`keys`/:meth:`values`,
+    the rows as the view says the kernels answer with them.
+
+    ``exact``: the q8 exact rows per head (``q8_exact_rows``; 0: none)."""
+
+    def __init__(self, nkv, hd, mode="f32", *, exact=0):
+        if mode not in MODES:
+            raise ValueError(f"Rows: mode {mode!r} is not one of {MODES}")
+        self.nkv, self.hd = nkv, hd
+        self.layer = LayerKvCache(nkv, hd, mode, backend="reference", q8_exact_rows=exact)
+
+    @property
+    def storage(self):
+        """The real storage (for writing behind its back on purpose only:
+        :func:`scramble_int8_copies` -- everything else goes through the layer)."""
+        return self.layer.storage
+
+    def view(self):
+        """The frozen :class:`kvreg.plugin.KvView` of the current version."""
+        return self.layer.storage.view()
+
+    @property
+    def lens(self):
+        return self.view().lens
+
+    @property
+    def xlen(self):
+        return self.view().xlen
+
+    @property
+    def version(self):
+        return self.view().version
 
     def append(self, k, v, alive=None):
-        k = np.asarray(k, np.float32).reshape(self.nkv, self.hd)
-        v = np.asarray(v, np.float32).reshape(self.nkv, self.hd)
-        self._grow(int(self.lens.max()) + 1)
-        for h in range(self.nkv):
-            if alive is not None and not alive[h]:
-                continue
-            p = self.lens[h]
-            if self.exact_cap and self.xlen[h] == p < self.exact_cap:
-                for x, row, col, isset in ((self.xk, k[h], self.kcol, self.kcol_set),
-                                           (self.xv, v[h], self.vcol, self.vcol_set)):
-                    if x is not None:
-                        x[h, p] = row / col[h] if isset[h] else row
-                self.xlen[h] = p + 1
-            if self.k_quant:
-                col = self.kcol[h] if self.kcol_set[h] else None
-                q, s = quantize_ref(k[h][None], col, 32)
-                self.kq[h, p], self.ks[h, p] = q[0], s[0]
-            else:
-                self.k[h, p] = k[h]
-            if self.v_quant:
-                col = self.vcol[h] if self.vcol_set[h] else None
-                q, s = quantize_ref(v[h][None], col, self.hd)
-                self.vq[h, p], self.vs[h, p] = q[0], s[0, 0]
-            else:
-                self.v[h, p] = v[h]
-            self.lens[h] += 1
+        self.layer.append(np.asarray(k, np.float32), np.asarray(v, np.float32), alive=alive)
 
     def truncate_last(self, n):
-        self.lens = np.maximum(self.lens - n, 0)
-        np.minimum(self.xlen, self.lens, out=self.xlen)
-        self.edits += 1
-        self._hist.append((self.edits, self.lens.copy()))
-
-    def edit_floor(self, since):
-        if since is None or (self._hist and since < self._hist[0][0] - 1):
-            return None
-        fl = None
-        for num, lens in self._hist:
-            if num > since:
-                fl = lens.copy() if fl is None else np.minimum(fl, lens)
-        return fl if fl is not None else self.lens.copy()
-
-    def forget_history(self):
-        self._hist.clear()
+        self.layer.truncate_last(n)
 
     def drop_front(self, n):
-        """A trim: rows shift, so the generation changes."""
-        for name in ("k", "kq", "ks", "v", "vq", "vs"):
-            a = getattr(self, name)
-            if a is not None:
-                a[:, : a.shape[1] - n] = a[:, n:].copy()
-        for x in (self.xk, self.xv):
-            if x is not None and n < self.exact_cap:
-                x[:, : self.exact_cap - n] = x[:, n:].copy()
-        self.xlen = np.maximum(self.xlen - n, 0)
-        self.lens = np.maximum(self.lens - n, 0)
-        self.generation = next(_GEN)
+        """Drop the ``n`` oldest rows of every head (an eviction: a rewrite)."""
+        self.layer.evict(self.layer.seq_len - n)
 
-    # dequantized views for the oracle
+    def clear(self):
+        self.layer.clear()
+
+    # the rows the kernels answer with, widened to float64 for the oracle
     def keys(self, h):
-        n = self.lens[h]
-        if not self.k_quant:
-            return self.k[h, :n].astype(np.float64)
-        ng = self.ks.shape[2]
-        s = np.repeat(self.ks[h, :n].astype(np.float64), 32, axis=1)[:, : self.hd]
-        del ng
-        rows = self.kq[h, :n].astype(np.float64) * s
-        if self.xk is not None:
-            rows[: self.xlen[h]] = self.xk[h, : self.xlen[h]]
-        return rows * self.kcol[h].astype(np.float64)
+        return self.view().attended_rows("k", h, 0, int(self.lens[h])).astype(np.float64)
 
     def values(self, h):
-        n = self.lens[h]
-        if not self.v_quant:
-            return self.v[h, :n].astype(np.float64)
-        rows = self.vq[h, :n].astype(np.float64) * self.vs[h, :n, None].astype(np.float64)
-        if self.xv is not None:
-            rows[: self.xlen[h]] = self.xv[h, : self.xlen[h]]
-        return rows * self.vcol[h].astype(np.float64)
+        return self.view().attended_rows("v", h, 0, int(self.lens[h])).astype(np.float64)
+
+
+def scramble_int8_copies(st):
+    """Garbage in the int8 copies of the exact rows (written into the real
+    storage's arrays behind its back, like kvreg.testing.fill's
+    poison_window_slots; call it before any mirror syncs): a kernel that
+    reads them instead of xk/xv gives a different answer, the oracle (which
+    reads the view's attended rows) does not."""
+    s = st.storage
+    for h in range(st.nkv):
+        xl = int(s.xlen[h])
+        for name in ("kq", "vq"):
+            a = getattr(s, name)
+            if a is not None:
+                a[h, :xl] = 127 - a[h, :xl] // 2
+        for name in ("ks", "vs"):
+            a = getattr(s, name)
+            if a is not None:
+                a[h, :xl] *= 3.0
 
 
 def oracle_group(st, q, g, *, scale, first=0, softcap=0.0, upto=None, sinks=None):
@@ -188,17 +150,10 @@ def oracle_group(st, q, g, *, scale, first=0, softcap=0.0, upto=None, sinks=None
     return out, probs
 
 
-#: (K quantized, V quantized) per mode name.
-MODES = {"f32": (False, False), "q8": (True, True), "q8k": (True, False), "q8v": (False, True)}
-#: float32 scores/exp/sums against the f64 oracle over <= 64 rows.
-RTOL = 2e-5
-
-
 def filled_storage(nkv, hd, rows, mode="f32", *, seed=0, alive=None, exact=0):
-    """A fake storage of ``mode`` holding ``rows`` seeded random rows
-    (``exact``: its q8 exact rows per head)."""
-    kq, vq = MODES[mode]
-    st = FakeStorage(nkv, hd, kq=kq, vq=vq, exact=exact)
+    """Real storage of ``mode`` holding ``rows`` seeded random rows, appended
+    one by one (``exact``: its q8 exact rows per head)."""
+    st = Rows(nkv, hd, mode, exact=exact)
     rng = np.random.default_rng(seed)
     for _ in range(rows):
         st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)), alive)
@@ -206,11 +161,11 @@ def filled_storage(nkv, hd, rows, mode="f32", *, seed=0, alive=None, exact=0):
 
 
 def mirrored(dev, st):
-    """A device mirror of ``st``, synced once."""
+    """A device mirror of ``st``'s current view, synced once."""
     from kvreg_opencl.mirror import DeviceMirror
 
     m = DeviceMirror(dev)
-    m.sync(st)
+    m.sync(st.view())
     return m
 
 

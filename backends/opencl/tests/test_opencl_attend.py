@@ -9,7 +9,7 @@ from ocl_helpers import MODES, check_close, mirrored, oracle_group
 from ocl_helpers import filled_storage as filled
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("mode", MODES)
 def test_attend_matches_f64_oracle(dev, small_blocks, mode):
     nkv, hpk, hd, rows = 2, 3, 40, 45
     st = filled(nkv, hd, rows, mode)
@@ -31,7 +31,7 @@ def test_attend_matches_f64_oracle(dev, small_blocks, mode):
     assert np.all(imp[:first] == 0), "rows before first must not be touched"
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("mode", ["f32", "q8_2f"])
 def test_head_dim_not_multiple_of_8_uses_scalar_path(dev, small_blocks, mode):
     st = filled(1, 36, 20, mode, seed=3)
     q = np.random.default_rng(4).standard_normal((2, 36)).astype(np.float32)
@@ -64,7 +64,7 @@ def test_empty_head_gives_zeros(dev, small_blocks):
 # ── bit-for-bit invariants (docs/kernels.md) ──
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("mode", ["f32", "q8_2f"])
 def test_grouped_equals_per_head_bitexact(dev, small_blocks, mode):
     st = filled(2, 40, 37, mode, seed=1)
     m = mirrored(dev, st)
@@ -82,7 +82,7 @@ def test_grouped_equals_per_head_bitexact(dev, small_blocks, mode):
 
 
 def test_layer_equals_per_group_bitexact(dev, small_blocks):
-    st = filled(3, 32, 29, "q8k", seed=8, alive=None)
+    st = filled(3, 32, 29, "q8k_2f", seed=8, alive=None)
     m = mirrored(dev, st)
     q = np.random.default_rng(9).standard_normal((6, 32)).astype(np.float32)
     imp_l = np.zeros(29, np.float32)
@@ -95,7 +95,7 @@ def test_layer_equals_per_group_bitexact(dev, small_blocks):
     np.testing.assert_array_equal(imp_l, imp_g)
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("mode", ["f32", "q8_2f"])
 def test_trimmed_tail_equals_untrimmed_window_bitexact(dev, small_blocks, mode):
     full = filled(2, 24, 41, mode, seed=11)
     trimmed = filled(2, 24, 41, mode, seed=11)
@@ -109,7 +109,7 @@ def test_trimmed_tail_equals_untrimmed_window_bitexact(dev, small_blocks, mode):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8v"])
+@pytest.mark.parametrize("mode", ["f32", "q8v_2f"])
 def test_upto_equals_sequential_bitexact(dev, small_blocks, mode):
     st = filled(2, 16, 30, mode, seed=13)
     m = mirrored(dev, st)
@@ -122,7 +122,7 @@ def test_upto_equals_sequential_bitexact(dev, small_blocks, mode):
 
 
 def test_repeated_calls_are_deterministic(dev, small_blocks):
-    st = filled(2, 40, 50, "q8", seed=15)
+    st = filled(2, 40, 50, "q8_2f", seed=15)
     m = mirrored(dev, st)
     q = np.random.default_rng(16).standard_normal((4, 40)).astype(np.float32)
     a, _ = kernels.attend_layer(m, q, lens=st.lens, scale=0.2)
@@ -133,7 +133,7 @@ def test_repeated_calls_are_deterministic(dev, small_blocks):
 # ── prefill chunk (tolerance class) ──
 
 
-@pytest.mark.parametrize("mode,window", [("f32", None), ("f32", 6), ("q8", 5)])
+@pytest.mark.parametrize("mode,window", [("f32", None), ("f32", 6), ("q8_2f", 5)])
 def test_chunk_matches_oracle(dev, small_blocks, mode, window):
     nkv, hpk, hd, s0, b = 2, 2, 16, 11, 7
     st = filled(nkv, hd, s0 + b, mode, seed=17)
@@ -161,7 +161,7 @@ def test_gpu_like_geometry_row_lanes(dev, monkeypatch):
     monkeypatch.setattr(config, "LOCAL_SIZE", 64)
     monkeypatch.setattr(config, "BLOCK_ROWS", 32)
     monkeypatch.setattr(config, "HEADS_PER_WG", 2)
-    st = filled(1, 64, 75, "q8v", seed=21)
+    st = filled(1, 64, 75, "q8v_2f", seed=21)
     m = mirrored(dev, st)
     q = np.random.default_rng(22).standard_normal((2, 64)).astype(np.float32)
     out, _ = kernels.attend_layer(m, q, lens=st.lens, scale=0.125, first=2)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend
+from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
-from kvreg.testing.bounded_oracle import bounded_attend_oracle
+from kvreg.testing.bounded_oracle import bounded_attend_oracle as _oracle
 
 RTOL = ATOL = 1e-5  # conformance's bounded_attend tolerance
 
@@ -24,9 +24,19 @@ def weights(rng, kvh, hd, sink, gws):
     return BoundedWeights(sk, sv, sink, gws)
 
 
+def bounded_attend_oracle(q, ring, *, scale, num_heads):
+    """The f64 oracle on a RingView."""
+    return _oracle(q, ring.k, ring.v, ring.seen, ring.sink_k, ring.sink_v, ring.group_windows, ring.rope,
+                   scale, num_heads)
+
+
 def attend(fn, st, q, w, rope, scale=0.25):
-    return fn(q, st.ring_k, st.ring_v, st.seen, w.sink_k, w.sink_v, w.group_windows, rope, scale,
-              q.shape[0])
+    """``fn`` (a bounded_attend kernel) on the view of ``st``'s ring."""
+    return fn(q, st.view(w, rope), scale=scale, num_heads=q.shape[0])
+
+
+def ring_mirror(be, st, w, rope):
+    return be.ring_mirror(st.view(w, rope))
 
 
 def assert_close(got, want, what):
@@ -82,7 +92,7 @@ def test_a_1000_step_decode_uploads_1000_slots(be, small_blocks):
     q = rng.standard_normal((kvh * 2, hd)).astype(np.float32)
     insert(st, rng)
     attend(be.bounded_attend, st, q, w, rope)
-    m = be.ring_mirror(st.ring_k)
+    m = ring_mirror(be, st, w, rope)
     c0 = m.counters()
     assert c0["full_reuploads"] == 1
     for _ in range(1000):
@@ -95,6 +105,31 @@ def test_a_1000_step_decode_uploads_1000_slots(be, small_blocks):
     assert_close(out, attend(bounded_attend_oracle, st, q, w, rope), "after 1000 steps")
 
 
+def test_inserts_between_attends_upload_their_slots_only(be, small_blocks):
+    # several inserts between two attends: the ring's version says only
+    # inserts happened, so their slots are uploaded; a window's worth or more
+    # of them (every slot rewritten) is a full upload
+    kvh, hd, window = 2, 16, 8
+    rng = np.random.default_rng(11)
+    st = BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 1, [8, 5])
+    rope = BoundedRope()
+    q = rng.standard_normal((kvh * 2, hd)).astype(np.float32)
+    insert(st, rng)
+    attend(be.bounded_attend, st, q, w, rope)
+    m = ring_mirror(be, st, w, rope)
+    for n, full in ((3, 0), (window - 1, 0), (window, 1), (2 * window + 3, 1)):
+        c0 = m.counters()
+        for _ in range(n):
+            insert(st, rng)
+        got = attend(be.bounded_attend, st, q, w, rope)
+        c = m.counters()
+        assert c["full_reuploads"] - c0["full_reuploads"] == full, n
+        assert c["bytes_uploaded"] - c0["bytes_uploaded"] == min(n, window) * kvh * hd * 4 * 2, n
+        assert_close(got, attend(bounded_attend, st, q, w, rope), f"{n} inserts")
+        assert got.tobytes() == attend(type(be)().bounded_attend, st, q, w, rope).tobytes(), n
+
+
 def test_rollback_forces_a_reupload_and_answers_like_the_reference(be, small_blocks):
     kvh, hd, window = 2, 16, 8
     rng = np.random.default_rng(5)
@@ -105,14 +140,14 @@ def test_rollback_forces_a_reupload_and_answers_like_the_reference(be, small_blo
     for _ in range(12):
         insert(st, rng)
         attend(be.bounded_attend, st, q, w, rope)
-    m = be.ring_mirror(st.ring_k)
+    m = ring_mirror(be, st, w, rope)
     full = m.full_reuploads
     assert st.rollback(3) == 3
     got = attend(be.bounded_attend, st, q, w, rope)
     assert m.full_reuploads == full + 1
     assert_close(got, attend(bounded_attend, st, q, w, rope), "after rollback")
     # rolled back by one and stepped again: seen is back where the mirror
-    # was, not one ahead, so this is a re-upload too
+    # was, not one ahead, and a rollback is not an insert: a re-upload too
     st.rollback(1)
     insert(st, rng)
     got = attend(be.bounded_attend, st, q, w, rope)
@@ -123,7 +158,8 @@ def test_rollback_forces_a_reupload_and_answers_like_the_reference(be, small_blo
 def test_restoring_a_sibling_branch_one_ahead_is_not_mistaken_for_a_step(be, small_blocks):
     # branch A reaches seen 11 (snapshot), branch B also reaches 11 and is
     # attended; restoring A then inserting gives seen 12 = the mirror's 11 + 1,
-    # but slot 10 holds A's row, not B's: the last-slot check must catch it.
+    # but slot 10 holds A's row, not B's: the restore moved the ring's
+    # reset_version, so the mirror must not take it for a one-slot step.
     kvh, hd, window = 2, 16, 16
     rng = np.random.default_rng(6)
     st = BoundedState(kvh, hd, window)
@@ -138,7 +174,7 @@ def test_restoring_a_sibling_branch_one_ahead_is_not_mistaken_for_a_step(be, sma
     st.restore(base)
     insert(st, rng)
     attend(be.bounded_attend, st, q, w, rope)
-    m = be.ring_mirror(st.ring_k)
+    m = ring_mirror(be, st, w, rope)
     full = m.full_reuploads
     st.restore(branch_a)
     insert(st, rng)
@@ -157,7 +193,7 @@ def test_clear_and_load_reupload(be, small_blocks):
     for _ in range(6):
         insert(st, rng)
         attend(be.bounded_attend, st, q, w, rope)
-    m = be.ring_mirror(st.ring_k)
+    m = ring_mirror(be, st, w, rope)
     full = m.full_reuploads
     st.clear()
     insert(st, rng)
@@ -208,8 +244,28 @@ def test_two_rings_keep_separate_mirrors(be, small_blocks):
         insert(b, rng)
         for st in (a, b):
             assert_close(attend(be.bounded_attend, st, q, w, rope), attend(bounded_attend, st, q, w, rope), "ring")
-    assert be.ring_mirror(a.ring_k) is not be.ring_mirror(b.ring_k)
-    assert be.ring_mirror(a.ring_k).full_reuploads == 1
+    assert ring_mirror(be, a, w, rope) is not ring_mirror(be, b, w, rope)
+    assert ring_mirror(be, a, w, rope).full_reuploads == 1
+
+
+def test_a_mirror_handed_another_rings_view_reuploads_it(be, small_blocks):
+    from kvreg_opencl.bounded import RingMirror
+
+    kvh, hd, window = 1, 8, 4
+    rng = np.random.default_rng(12)
+    a, b = BoundedState(kvh, hd, window), BoundedState(kvh, hd, window)
+    w = weights(rng, kvh, hd, 0, [4])
+    rope = BoundedRope()
+    for _ in range(3):
+        insert(a, rng)
+        insert(b, rng)
+    m = RingMirror(be._dev)
+    m.sync(a.view(w, rope))
+    insert(b, rng)  # b: only inserts since a's version, one ahead of a's seen
+    m.sync(b.view(w, rope))
+    assert m.full_reuploads == 2 and m.slot_uploads == 0
+    m.sync(a.view(w, rope))  # back to a at the version the mirror first saw
+    assert m.full_reuploads == 3
 
 
 def test_arguments_are_checked_like_the_reference(be):
@@ -217,7 +273,17 @@ def test_arguments_are_checked_like_the_reference(be):
     st = BoundedState(kvh, hd, 4)
     empty = np.zeros((kvh, 0, hd), np.float32)
     q = np.zeros((4, hd), np.float32)
+    # the ring's own arguments are checked where its view is built, for every backend
     with pytest.raises(StateError):
-        be.bounded_attend(q, st.ring_k, st.ring_v, 0, empty, empty, [4, 4], BoundedRope(), 0.5, 4)
+        ring_view(st.ring_k, st.ring_v, 0, empty, empty, [4, 4], BoundedRope())
     with pytest.raises(ConfigError):
-        be.bounded_attend(q, st.ring_k, st.ring_v, 1, empty, empty, [5, 4], BoundedRope(), 0.5, 4)
+        ring_view(st.ring_k, st.ring_v, 1, empty, empty, [5, 4], BoundedRope())
+    # the query and the parameters by the kernel: the backend refuses what the reference refuses
+    ring = ring_view(st.ring_k, st.ring_v, 1, empty, empty, [4, 4], BoundedRope())
+    for fn in (be.bounded_attend, bounded_attend):
+        with pytest.raises(ConfigError):
+            fn(q[:3], ring, scale=0.5, num_heads=3)  # not a multiple of the KV heads
+        with pytest.raises(ConfigError):
+            fn(q, ring, scale=float("inf"), num_heads=4)
+        with pytest.raises(ConfigError):
+            fn(q, (st.ring_k, st.ring_v), scale=0.5, num_heads=4)  # not a RingView

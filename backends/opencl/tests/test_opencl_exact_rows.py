@@ -7,28 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvreg_opencl import kernels
-from ocl_helpers import check_close, filled_storage, mirrored, oracle_group
-
-Q8_MODES = ["q8", "q8k", "q8v"]
+from ocl_helpers import Q8_MODES, check_close, filled_storage, mirrored, oracle_group, scramble_int8_copies
 
 
 def filled(nkv, hd, rows, mode, *, exact=4, seed=0):
     return filled_storage(nkv, hd, rows, mode, seed=seed, exact=exact)
-
-
-def scramble_int8_copies(st):
-    """Garbage in the int8 copies of the exact rows: a kernel that reads
-    them instead of xk/xv gives a different answer."""
-    for h in range(st.nkv):
-        xl = int(st.xlen[h])
-        for name in ("kq", "vq"):
-            a = getattr(st, name)
-            if a is not None:
-                a[h, :xl] = 127 - a[h, :xl] // 2
-        for name in ("ks", "vs"):
-            a = getattr(st, name)
-            if a is not None:
-                a[h, :xl] *= 3.0
 
 
 @pytest.mark.parametrize("hd", [64, 40, 36], ids=["hd64", "hd40", "hd36"])
@@ -67,7 +50,7 @@ def test_chunk_reads_exact_rows(dev, small_blocks, mode):
 
 
 def test_invariants_hold_with_exact_rows(dev, small_blocks):
-    st = filled(2, 40, 37, "q8", seed=1)
+    st = filled(2, 40, 37, "q8_2f", seed=1)
     m = mirrored(dev, st)
     rng = np.random.default_rng(2)
     q = rng.standard_normal((6, 40)).astype(np.float32)
@@ -82,15 +65,15 @@ def test_invariants_hold_with_exact_rows(dev, small_blocks):
                                             first=2, softcap=2.0, g0=g, ng=1)
             np.testing.assert_array_equal(grouped[h], alone[0])
     # upto == the call made when the storage held that many rows
-    short = filled(2, 40, 3, "q8", seed=1)  # only exact rows, part of them
+    short = filled(2, 40, 3, "q8_2f", seed=1)  # only exact rows, part of them
     got, _ = kernels.attend_layer(m, q, lens=st.lens, scale=0.2, upto=3)
     want, _ = kernels.attend_layer(mirrored(dev, short), q, lens=short.lens, scale=0.2)
     np.testing.assert_array_equal(got, want)
 
 
 def test_trimmed_equals_untrimmed_with_exact_rows(dev, small_blocks):
-    full = filled(2, 32, 30, "q8", seed=11)
-    trimmed = filled(2, 32, 30, "q8", seed=11)
+    full = filled(2, 32, 30, "q8_2f", seed=11)
+    trimmed = filled(2, 32, 30, "q8_2f", seed=11)
     trimmed.drop_front(2)  # two exact rows left, shifted to the front
     assert (trimmed.xlen == 2).all()
     q = np.random.default_rng(12).standard_normal((4, 32)).astype(np.float32)
@@ -102,13 +85,13 @@ def test_trimmed_equals_untrimmed_with_exact_rows(dev, small_blocks):
 def test_mirror_uploads_exact_rows_only_when_they_change(dev, small_blocks):
     rng = np.random.default_rng(3)
     nkv, hd = 2, 32
-    st = filled(nkv, hd, 2, "q8", seed=3)
+    st = filled(nkv, hd, 2, "q8_2f", seed=3)
     m = mirrored(dev, st)
     q = rng.standard_normal((2, hd)).astype(np.float32)
 
     def step():
         st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)))
-        m.sync(st)
+        m.sync(st.view())
 
     def agrees():
         np.testing.assert_array_equal(kernels.attend_layer(m, q, lens=st.lens, scale=0.25)[0],
@@ -127,24 +110,26 @@ def test_mirror_uploads_exact_rows_only_when_they_change(dev, small_blocks):
     step()
     assert m.exact_uploads == 3
     agrees()
-    # truncate into the exact range and re-append to the same xlen, same
-    # generation: the exact rows were rewritten in place
-    gen = st.generation
+    # truncate into the exact range and re-append to the same xlen: the
+    # exact rows were rewritten in place, no rewrite of the whole storage
     st.truncate_last(int(st.lens[0]) - 1)
-    m.sync(st)  # xlen dropped: re-upload
+    m.sync(st.view())  # xlen dropped: re-upload
     assert m.exact_uploads == 4
     for _ in range(13):
         st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)))
-    assert st.generation == gen and (st.xlen == 4).all()
-    m.sync(st)
+    assert (st.xlen == 4).all() and st.view().unchanged_rows(m.version) is not None
+    m.sync(st.view())
     assert m.exact_uploads == 5
     agrees()
     # the same without a sync in between: xlen back where it was, so only
-    # the edit floor reveals the rewrite
+    # the truncation log (the unchanged-rows floor below xlen) reveals the rewrite
     st.truncate_last(int(st.lens[0]) - 2)
     for _ in range(12):
         st.append(rng.standard_normal((nkv, hd)), rng.standard_normal((nkv, hd)))
-    m.sync(st)
+    assert np.array_equal(st.xlen, m.xlen)
+    floor = st.view().unchanged_rows(m.version)
+    assert floor is not None and (floor < st.xlen).all()
+    m.sync(st.view())
     assert m.exact_uploads == 6 and m.full_reuploads == 1
     agrees()
 
@@ -218,22 +203,22 @@ def test_truncate_and_reappend_exact_rows_stays_in_sync(backends, small_blocks, 
     a, b, rng = twin(backends, "q8", rows, seed=11)
     q = rng.standard_normal((6, 64)).astype(np.float32)
     close(a.attend_layer(q, importance=False), b.attend_layer(q, importance=False), "before")
-    m = backends[0].mirror(a.storage)
-    ups = m.exact_uploads
-    gen = a.storage.generation
+    m = backends[0].mirror(a.storage.view())
+    ups, full = m.exact_uploads, m.full_reuploads
     for d in (rows - 2, rows - 1):  # the rollback reaches into the exact rows
         for layer in (a, b):
             layer.truncate_last(d)
         push(a, b, rng, d, 2, 64)  # back to the same row count (and xlen)
-        assert a.storage.generation == gen and (a.storage.xlen == 4).all()
+        # no rewrite of the storage: the mirror follows it by the truncation log
+        assert (a.storage.xlen == 4).all() and a.storage.view().unchanged_rows(m.version) is not None
         close(a.attend_layer(q, importance=False), b.attend_layer(q, importance=False), f"rollback {d}")
         for g in range(2):
             close(a.attend_group(q[3 * g:3 * g + 3], g, scale=0.3),
                   b.attend_group(q[3 * g:3 * g + 3], g, scale=0.3), f"rollback {d} group {g}")
-    assert m.exact_uploads > ups
+    assert m.exact_uploads > ups and m.full_reuploads == full
     # decode steps past the exact range upload no exact rows
     ups = m.exact_uploads
     for _ in range(5):
         push(a, b, rng, 1, 2, 64)
         close(a.attend_layer(q, importance=False), b.attend_layer(q, importance=False), "decode")
-    assert backends[0].mirror(a.storage).exact_uploads == ups
+    assert backends[0].mirror(a.storage.view()).exact_uploads == ups

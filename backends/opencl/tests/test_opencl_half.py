@@ -56,13 +56,13 @@ def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(dev, smal
                dict(window=20, softcap=3.0, sinks=rng.standard_normal(nh).astype(np.float32))):
         i1 = np.zeros(half._st.cap, np.float32)
         i2 = np.zeros(half._st.cap, np.float32)
-        a = half.backend.attend_layer(q, half._st, scale=0.3, imp=i1, **kw)
-        b = f32.backend.attend_layer(q, f32._st, scale=0.3, imp=i2, **kw)
+        a = half.backend.attend_layer(q, half._st.view(), scale=0.3, imp=i1, **kw)
+        b = f32.backend.attend_layer(q, f32._st.view(), scale=0.3, imp=i2, **kw)
         assert a.tobytes() == b.tobytes(), list(kw)
         assert i1.tobytes() == i2.tobytes(), list(kw)
     for g in range(3):
-        a = half.backend.attend_group(q[:3], half._st, g, scale=0.3, first=5, upto=40, softcap=2.0)
-        b = f32.backend.attend_group(q[:3], f32._st, g, scale=0.3, first=5, upto=40, softcap=2.0)
+        a = half.backend.attend_group(q[:3], half._st.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
+        b = f32.backend.attend_group(q[:3], f32._st.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
         assert a.tobytes() == b.tobytes()
 
 
@@ -71,7 +71,7 @@ def test_the_mirror_holds_2_byte_elements_and_decode_uploads_2_bytes(dev, mode):
     nkv, hd = 2, 64
     half, _ = layers(mode, nkv=nkv, hd=hd, specials=False)
     be, st = half.backend, half._st
-    m = be.mirror(st)
+    m = be.mirror(st.view())
     assert m.kv_dtype == np.dtype(DTYPE[mode])
     for name in ("k", "v"):
         assert m.row_shapes[name] == ((hd,), np.dtype(DTYPE[mode]))
@@ -84,8 +84,8 @@ def test_the_mirror_holds_2_byte_elements_and_decode_uploads_2_bytes(dev, mode):
     for _ in range(5):
         half.append(rng.standard_normal((nkv, hd)).astype(np.float32),
                     rng.standard_normal((nkv, hd)).astype(np.float32))
-        be.attend_layer(q, st, scale=0.1)
-    assert be.mirror(st) is m
+        be.attend_layer(q, st.view(), scale=0.1)
+    assert be.mirror(st.view()) is m
     assert m.bytes_uploaded - before == 5 * nkv * 2 * hd * 2  # K and V rows, 2 bytes an element
 
 

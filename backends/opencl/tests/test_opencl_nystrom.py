@@ -81,13 +81,13 @@ def test_an_exact_only_state_and_a_clamped_far_part(fp64_dev):
     assert_close(dn.nystrom_step(fp64_dev, q, ke, ve, None, 0.3), nystrom_step(q, ke, ve, None, 0.3),
                  "no far field", rtol=1e-6, atol=1e-7)
     st, *_ = sealed(4, t0=40, hd=hd, hpk=hpk, m=4, w=5, sink=1, scale=0.3)
-    st.far.z[:] = -1.0  # every far denominator negative
+    far = dataclasses.replace(st.far, z=np.full_like(st.far.z, -1.0))  # every far denominator negative
     ke, ve = st.exact_rows()
     # with the pooling prior the read falls back to the pooled estimate ...
-    assert_close(dn.nystrom_step(fp64_dev, q, ke, ve, st.far, 0.3), nystrom_step(q, ke, ve, st.far, 0.3),
+    assert_close(dn.nystrom_step(fp64_dev, q, ke, ve, far, 0.3), nystrom_step(q, ke, ve, far, 0.3),
                  "pooled fallback", rtol=1e-6, atol=1e-7)
     # ... without it the far part must vanish
-    bare = dataclasses.replace(st.far, count=None, vsum=None, vlo=None, vhi=None, last_logit=None)
+    bare = dataclasses.replace(far, count=None, vsum=None, vlo=None, vhi=None, last_logit=None)
     got = dn.nystrom_step(fp64_dev, q, ke, ve, bare, 0.3)
     assert_close(got, nystrom_step(q, ke, ve, None, 0.3), "clamped far part", rtol=1e-6, atol=1e-7)
 
@@ -107,7 +107,7 @@ def test_the_backend_runs_it_only_with_fp64(dev, monkeypatch):
     st, *_ = sealed(5, t0=40, hd=hd, hpk=hpk, m=4, w=5, sink=1, scale=0.3)
     q = np.ones((hpk, hd), np.float32)
     ke, ve = st.exact_rows()
-    np.testing.assert_array_equal(off.nystrom_step(q, ke, ve, st.far, 0.3),
+    np.testing.assert_array_equal(off.nystrom_step(q, ke, ve, st.far, scale=0.3),
                                   nystrom_step(q, ke, ve, st.far, 0.3))
 
 

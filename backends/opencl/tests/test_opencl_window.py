@@ -49,10 +49,11 @@ def close(a, b):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
-def fresh(dev, st, q, **kw):
+def fresh(dev, kv, q, **kw):
+    """The answer of a fresh mirror of the view ``kv``."""
     m = DeviceMirror(dev)
-    m.sync(st)
-    return kernels.attend_layer(m, q, lens=st.lens, scale=0.2, **kw)[0]
+    m.sync(kv)
+    return kernels.attend_layer(m, q, lens=kv.lens, scale=0.2, **kw)[0]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -61,27 +62,27 @@ def test_windowed_q8_answers_the_reference(dev, small_blocks, mode, shape):
     kw = {"long": dict(n=61), "straddles-exact": dict(n=6, exact=3), "truncated": dict(n=40, truncate=13),
           "hd40": dict(n=37, hd=40)}[shape]
     lay = layer(mode, **kw)
-    st, be = lay._st, lay.backend
+    kv, be = lay._st.view(), lay.backend
     if shape == "straddles-exact":
-        assert (st.b8 == 0).all() and (st.xlen == np.minimum(st.lens, 3)).all()
+        assert (kv.b8 == 0).all() and (kv.xlen == np.minimum(kv.lens, 3)).all()
     if shape == "truncated":
-        assert ((st.lens - st.b8) < 8).any() and (st.lens > 8).any()
-    nkv, hd = st.num_kv_heads, st.head_dim
+        assert ((kv.lens - kv.b8) < 8).any() and (kv.lens > 8).any()
+    nkv, hd = kv.num_kv_heads, kv.head_dim
     rng = np.random.default_rng(7)
     q = rng.standard_normal((nkv * 3, hd)).astype(np.float32)
     for call in CALLS:
         kw = dict(call)
         if kw.pop("sinks", False):
             kw["sinks"] = rng.standard_normal(nkv * 3).astype(np.float32)
-        i1 = np.zeros(int(st.lens.max()), np.float32)
+        i1 = np.zeros(int(kv.lens.max()), np.float32)
         i2 = np.zeros_like(i1)
-        close(be.attend_layer(q, st, scale=0.125, imp=i1, **kw), REF.attend_layer(q, st, scale=0.125, imp=i2, **kw))
+        close(be.attend_layer(q, kv, scale=0.125, imp=i1, **kw), REF.attend_layer(q, kv, scale=0.125, imp=i2, **kw))
         close(i1, i2)
     for g in range(nkv):
-        n = int(st.lens[g])
+        n = int(kv.lens[g])
         for first, upto in ((0, None), (2, None), (1, max(n - 2, 1))):
-            close(be.attend_group(q[:3], st, g, scale=0.2, first=first, upto=upto, softcap=4.0),
-                  REF.attend_group(q[:3], st, g, scale=0.2, first=first, upto=upto, softcap=4.0))
+            close(be.attend_group(q[:3], kv, g, scale=0.2, first=first, upto=upto, softcap=4.0),
+                  REF.attend_group(q[:3], kv, g, scale=0.2, first=first, upto=upto, softcap=4.0))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -99,15 +100,15 @@ def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, m
         lay.append(*rows(rng, nkv, hd))
         if step in (20, 33):
             lay.truncate_last(5 if step == 20 else 11)  # cuts the window; 11 reaches the int8 rows
-        st = lay._st
-        got = be.attend_layer(q, st, scale=0.2)
-        assert got.tobytes() == fresh(dev, st, q).tobytes(), step
-        close(got, REF.attend_layer(q, st, scale=0.2))
-    m = be.mirror(st)
+        kv = lay._st.view()
+        got = be.attend_layer(q, kv, scale=0.2)
+        assert got.tobytes() == fresh(dev, kv, q).tobytes(), step
+        close(got, REF.attend_layer(q, kv, scale=0.2))
+    m = be.mirror(kv)
     assert m.full_reuploads == 1
     c0 = m.counters()
     lay.append(*rows(rng, nkv, hd))
-    m = be.mirror(lay._st)
+    m = be.mirror(lay._st.view())
     c1 = m.counters()
     quant = {"q8": ("kq", "ks", "vq", "vs"), "q8k": ("kq", "ks", "v"), "q8v": ("k", "vq", "vs")}[mode]
     row = {"kq": hd, "ks": 4, "vq": hd, "vs": 4, "k": 4 * hd, "v": 4 * hd}
@@ -115,19 +116,19 @@ def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, m
     win = nkv * 8 * hd * 2 * (2 if mode == "q8" else 1) + nkv * 4
     assert c1["window_bytes_uploaded"] - c0["window_bytes_uploaded"] == win
     # a second sync with nothing changed uploads nothing (per-group calls sync each time)
-    be.attend_group(q[:2], lay._st, 0, scale=0.2)
-    be.attend_group(q[2:], lay._st, 1, scale=0.2)
-    assert be.mirror(lay._st).counters()["window_bytes_uploaded"] == c1["window_bytes_uploaded"]
+    be.attend_group(q[:2], lay._st.view(), 0, scale=0.2)
+    be.attend_group(q[2:], lay._st.view(), 1, scale=0.2)
+    assert be.mirror(lay._st.view()).counters()["window_bytes_uploaded"] == c1["window_bytes_uploaded"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_int8_slots_of_window_rows_are_never_read(dev, small_blocks, mode):
     lay = layer(mode, n=30, exact=2)
-    st, be = lay._st, lay.backend
+    st = lay._st
     q = np.random.default_rng(5).standard_normal((9, 64)).astype(np.float32)
-    want = fresh(dev, st, q, softcap=5.0)
-    poison_window_slots(st)
-    assert fresh(dev, st, q, softcap=5.0).tobytes() == want.tobytes()
+    want = fresh(dev, st.view(), q, softcap=5.0)
+    poison_window_slots(st)  # writes the storage's arrays behind its back: a fresh mirror reads them
+    assert fresh(dev, st.view(), q, softcap=5.0).tobytes() == want.tobytes()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -135,7 +136,7 @@ def test_the_window_travels_at_2_bytes_an_element(dev, mode):
     lay = layer(mode, n=20)
     st = lay._st
     m = DeviceMirror(dev)
-    m.sync(st)
+    m.sync(st.view())
     thk, thv, b8, wcap = m.window_args()
     assert wcap == 8
     for buf, th in ((thk, st.thk), (thv, st.thv)):
@@ -154,6 +155,6 @@ def test_q4_still_takes_the_reference(dev):
     for _ in range(30):
         lay.append(*rows(rng, 2, 32))
     q = rng.standard_normal((4, 32)).astype(np.float32)
-    a = lay.backend.attend_layer(q, lay._st, scale=0.2)
-    assert a.tobytes() == REF.attend_layer(q, lay._st, scale=0.2).tobytes()
+    a = lay.backend.attend_layer(q, lay._st.view(), scale=0.2)
+    assert a.tobytes() == REF.attend_layer(q, lay._st.view(), scale=0.2).tobytes()
     assert lay._st not in lay.backend._mirrors
