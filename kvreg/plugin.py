@@ -36,7 +36,7 @@ Numerics contract (the conformance suite checks it):
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from collections import namedtuple
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -74,8 +74,15 @@ def readonly(a: np.ndarray | None) -> np.ndarray | None:
     return v
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class KvView:
+#: The arrays of a :class:`KvView` (None where the mode has none), in field order.
+KV_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "kcol_set", "vcol_set", "xk", "xv", "xlen",
+             "thk", "thv", "b8", "k4", "k4s", "v4", "v4s", "b4", "t8k", "t8ks", "t8v", "t8vs")
+#: Every field of a :class:`KvView`, in order.
+KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "ngk", "cap", "exact_cap", "window", "rot_k",
+             "rot_v") + KV_ARRAYS + ("lens", "version", "reset_version", "log_start", "floors")
+
+
+class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
     """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
 
     Head ``h`` holds ``lens[h]`` rows. Which blocks are present depends on
@@ -97,52 +104,15 @@ class KvView:
 
     Rows of a side with ``rot_k``/``rot_v`` are in the Walsh–Hadamard
     rotated basis (the layer rotates queries and un-rotates outputs).
-    ``owner`` is the storage's identity (a device mirror's key; not for reading).
     """
 
-    owner: object
-    mode: KvMode
-    num_kv_heads: int
-    head_dim: int
-    ngk: int
-    cap: int
-    lens: np.ndarray
-    version: int
-    k: np.ndarray | None
-    v: np.ndarray | None
-    kq: np.ndarray | None
-    ks: np.ndarray | None
-    vq: np.ndarray | None
-    vs: np.ndarray | None
-    kcol: np.ndarray
-    vcol: np.ndarray
-    kcol_set: np.ndarray
-    vcol_set: np.ndarray
-    exact_cap: int
-    xk: np.ndarray | None
-    xv: np.ndarray | None
-    xlen: np.ndarray
-    window: int
-    thk: np.ndarray | None
-    thv: np.ndarray | None
-    b8: np.ndarray | None
-    k4: np.ndarray | None
-    k4s: np.ndarray | None
-    v4: np.ndarray | None
-    v4s: np.ndarray | None
-    b4: np.ndarray | None
-    t8k: np.ndarray | None
-    t8ks: np.ndarray | None
-    t8v: np.ndarray | None
-    t8vs: np.ndarray | None
-    rot_k: bool
-    rot_v: bool
-    # the change log behind unchanged_rows (LayerStorage keeps it): the
-    # version of the last rewrite of every row, the version up to which
-    # truncation records were dropped, and ``(version, lens)`` per truncation
-    reset_version: int
-    log_start: int
-    floors: tuple
+    # A named tuple: immutable, and built in about a microsecond per version
+    # (a decode step builds one per layer). ``owner`` is the storage's
+    # identity (a device mirror's key; not for reading). The change log
+    # behind :meth:`unchanged_rows`: ``reset_version`` the version of the last
+    # rewrite of every row, ``log_start`` the version up to which truncation
+    # records were dropped, ``floors`` ``(version, lens)`` per truncation.
+    __slots__ = ()
 
     def unchanged_rows(self, since: int | None) -> np.ndarray | None:
         """Per head, how many leading rows are the same bits as at version
@@ -211,8 +181,8 @@ class KvView:
         return out
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class RingView:
+class RingView(namedtuple("_RingViewFields", ("k", "v", "seen", "sink_k", "sink_v", "group_windows", "rope",
+                                               "owner", "version", "reset_version"))):
     """A bounded layer's ring at one ``version``, with what attending it needs.
 
     ``k``/``v [kvh, window, hd]`` float32 raw (un-rotated) rows, token ``t``
@@ -225,17 +195,7 @@ class RingView:
     reset_version`` that saw ``seen_u`` is current after uploading the slots
     of positions ``[seen_u, seen)``.
     """
-
-    k: np.ndarray
-    v: np.ndarray
-    seen: int
-    sink_k: np.ndarray
-    sink_v: np.ndarray
-    group_windows: tuple
-    rope: "BoundedRope"
-    owner: object
-    version: int
-    reset_version: int
+    __slots__ = ()
 
 
 class Backend(abc.ABC):

@@ -43,7 +43,7 @@ from collections import deque
 import numpy as np
 
 from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
-from .plugin import KvView, readonly
+from .plugin import KV_ARRAYS, KvView, readonly
 from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates
 
 _GEN = itertools.count(1)
@@ -52,11 +52,6 @@ _GEN = itertools.count(1)
 def next_generation() -> int:
     """A process-wide fresh storage generation or version (``next`` on a count is atomic)."""
     return next(_GEN)
-
-
-#: The arrays a KvView carries, read-only (None where the mode has none).
-_VIEW_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "kcol_set", "vcol_set", "xk", "xv", "xlen",
-                "thk", "thv", "b8", "k4", "k4s", "v4", "v4s", "b4", "t8k", "t8ks", "t8v", "t8vs")
 
 
 _FLOOR_LOG = 64
@@ -90,7 +85,7 @@ class LayerStorage:
         self._log_start = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
         self._view: KvView | None = None
-        self._ro: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._blocks: tuple | None = None  # the view's fields up to its arrays (None: rebuild)
         self.b8 = self.b4 = None
         self.t8k = self.t8ks = self.t8v = self.t8vs = None
         #: Whether K (V) rows, and so the queries (outputs), live in the
@@ -150,18 +145,11 @@ class LayerStorage:
         v = self._view
         if v is not None and v.version == self.version:
             return v
-        ro = {}
-        for name in _VIEW_ARRAYS:
-            a = getattr(self, name)
-            got = self._ro.get(name)
-            if got is None or got[0] is not a:
-                got = self._ro[name] = (a, readonly(a))
-            ro[name] = got[1]
-        v = self._view = KvView(
-            owner=self, mode=self.mode, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, ngk=self.ngk,
-            cap=self.cap, lens=readonly(self.lens), version=self.version, exact_cap=self.exact_cap,
-            window=self.window, rot_k=self.rot_k, rot_v=self.rot_v, reset_version=self.reset_version,
-            log_start=self._log_start, floors=tuple(self._floors), **ro)
+        if self._blocks is None:  # arrays (re)allocated since the last view
+            self._blocks = (self, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
+                            self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
+        v = self._view = KvView._make(self._blocks + (readonly(self.lens), self.version, self.reset_version,
+                                                      self._log_start, tuple(self._floors)))
         return v
 
     @classmethod
@@ -171,14 +159,16 @@ class LayerStorage:
         st = cls(k.shape[0], k.shape[2], KvMode.F32)
         st.k, st.v, st.cap = k, v, k.shape[1]
         st.lens[:] = k.shape[1]
-        st._touch()
+        st._touch(arrays=True)
         return st
 
     # ── versions ──
 
-    def _touch(self) -> None:
-        """Every mutation: a new version."""
+    def _touch(self, arrays: bool = False) -> None:
+        """Every mutation: a new version (``arrays``: an array was replaced)."""
         self.version = next_generation()
+        if arrays:
+            self._blocks = None
 
     def _rewritten(self) -> None:
         """A mutation a copy cannot follow by row counts: every row may differ."""
@@ -238,7 +228,7 @@ class LayerStorage:
                         blk[h, : self.lens[h]] = old[h, : self.lens[h]]
                 setattr(self, name, blk)
             self.cap = new_cap
-            self._touch()
+            self._touch(arrays=True)
         if rows > self._imp.shape[0]:
             imp = np.zeros(max(16, 2 * self._imp.shape[0], rows), dtype=np.float32)
             imp[: self.seq_len] = self._imp[: self.seq_len]
@@ -432,7 +422,7 @@ class LayerStorage:
         self.k4 = self.k4s = self.v4 = self.v4s = None
         self.cap = 0
         self._imp = np.zeros(0, dtype=np.float32)
-        self._touch()
+        self._touch(arrays=True)
 
     def freeze(self, freeze_field) -> None:
         """The 2f freeze: per head and quantized side, ``freeze_field(q, s,

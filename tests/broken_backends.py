@@ -8,7 +8,7 @@ pluggy hook a real plugin uses.
 
 from __future__ import annotations
 
-from dataclasses import replace
+
 
 import numpy as np
 
@@ -103,7 +103,7 @@ class StaleMirror(ReferenceBackend):
             self._mirror[key] = rows
         k = kv.k.copy()
         k[g, :n] = rows[:n]
-        return super().attend_group(q, replace(kv, k=k), g, **kw)
+        return super().attend_group(q, kv._replace(k=k), g, **kw)
 
 
 class IgnoresExactRows(ReferenceBackend):
@@ -114,7 +114,7 @@ class IgnoresExactRows(ReferenceBackend):
     auto = False
 
     def attend_group(self, q, kv, g, **kw):
-        return super().attend_group(q, replace(kv, xlen=np.zeros_like(kv.xlen)), g, **kw)
+        return super().attend_group(q, kv._replace(xlen=np.zeros_like(kv.xlen)), g, **kw)
 
 
 class DropsNanRows(ReferenceBackend):
@@ -166,7 +166,7 @@ class ShortestHeadLayer(ReferenceBackend):
     auto = False
 
     def attend_layer(self, q, kv, **kw):
-        return super().attend_layer(q, replace(kv, lens=np.full_like(kv.lens, int(kv.lens.min()))), **kw)
+        return super().attend_layer(q, kv._replace(lens=np.full_like(kv.lens, int(kv.lens.min()))), **kw)
 
 
 class PositionKeyedRing(ReferenceBackend):
@@ -191,7 +191,7 @@ class PositionKeyedRing(ReferenceBackend):
             s = (seen - 1) % ring.k.shape[1]
             c[1][:, s], c[2][:, s] = ring.k[:, s], ring.v[:, s]
             c[0] = seen
-        return super().bounded_attend(q, replace(ring, k=c[1], v=c[2]), **kw)
+        return super().bounded_attend(q, ring._replace(k=c[1], v=c[2]), **kw)
 
 
 BROKEN = BROKEN + (NarrowRowCount, ShortestHeadLayer, PositionKeyedRing)
