@@ -32,10 +32,14 @@ import importlib.resources
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from .checks import WORST, Checker
+
+if TYPE_CHECKING:
+    from kvreg.plugin import Backend
 
 _HERE = Path(__file__).parent
 _STATE: dict = {}
@@ -122,20 +126,20 @@ def read_xfail_resource(spec: str) -> list[tuple[str, str]]:
         raise pytest.UsageError(f"conformance_xfail = {spec!r} cannot be read: {type(exc).__name__}: {exc}") from None
 
 
-def xfail_lists(name: str, cls: type | None) -> list[tuple[str, list[tuple[str, str]]]]:
+def xfail_lists(name: str, cls: type[Backend] | None) -> list[tuple[str, list[tuple[str, str]]]]:
     """``(source, entries)`` of every xfail list that applies to backend ``name``
     (class ``cls``, None when not registered), in the order they are read."""
     folder = os.environ.get("KVREG_CONFORMANCE_XFAIL_DIR")
     path = (Path(folder) if folder else _HERE / "xfail") / f"{name}.txt"
     lists = [(str(path), read_xfail_file(path))]
-    spec = getattr(cls, "conformance_xfail", None) if cls is not None else None  # TODO typed attribute
+    spec = cls.conformance_xfail if cls is not None else None
     if spec:
         lists.append((spec, read_xfail_resource(spec)))
         _STATE.setdefault("resources", set()).add(spec)
     return lists
 
 
-def _backend_class(name: str) -> type | None:
+def _backend_class(name: str) -> type[Backend] | None:
     be = _STATE.get("backend")
     if be is not None:
         return type(be)
