@@ -263,7 +263,7 @@ class O1Mixin:
         # threading themselves. The reference's GEMMs are already threaded by
         # BLAS: threads on top oversubscribe the cores (9x slower measured).
         try:
-            if nkv > 1 and getattr(self.backend, "parallel_seal", False):
+            if nkv > 1 and self.backend.parallel_seal:
                 with ThreadPoolExecutor(max_workers=min(nkv, os.cpu_count() or 1)) as pool:
                     groups = list(pool.map(seal_group, range(nkv)))
             else:

@@ -13,11 +13,12 @@ views hold read-only arrays, far-field state is returned, not mutated; the
 one array a kernel writes is the ``imp`` accumulator it is handed.
 
 Views (:class:`KvView`, :class:`RingView`) are frozen snapshots of a layer's
-storage or bounded ring: the arrays as stored (layout in docs/kernels.md),
-their lengths, and a ``version`` that moves on every mutation of what they
-describe, so a device mirror keyed on ``version`` alone is never stale.
-Their arrays are read-only views of the owner's arrays, valid for the call
-they are handed to.
+storage or bounded ring at one ``version``, which moves on every mutation of
+what they describe, so a device mirror keyed on ``version`` alone is never
+stale. Counts (lengths, window bounds, flags) are copies taken at that
+version; row arrays are read-only views of the owner's (rows a later
+mutation rewrites are rows the view's counts no longer vouch for, and a
+view is meant for the call it is handed to).
 
 Numerics contract (the conformance suite checks it):
 
@@ -74,12 +75,15 @@ def readonly(a: np.ndarray | None) -> np.ndarray | None:
     return v
 
 
-#: The arrays of a :class:`KvView` (None where the mode has none), in field order.
-KV_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "kcol_set", "vcol_set", "xk", "xv", "xlen",
-             "thk", "thv", "b8", "k4", "k4s", "v4", "v4s", "b4", "t8k", "t8ks", "t8v", "t8vs")
+#: The row and field arrays of a :class:`KvView` (None where the mode has
+#: none): read-only views of the storage's own.
+KV_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4",
+             "v4s", "t8k", "t8ks", "t8v", "t8vs")
+#: The per-head counts and flags of a :class:`KvView`: copies taken at its version.
+KV_COUNTS = ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set")
 #: Every field of a :class:`KvView`, in order.
 KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "ngk", "cap", "exact_cap", "window", "rot_k",
-             "rot_v") + KV_ARRAYS + ("lens", "version", "reset_version", "log_start", "floors")
+             "rot_v") + KV_ARRAYS + KV_COUNTS + ("version", "reset_version", "log_start", "floors")
 
 
 class KvView(namedtuple("_KvViewFields", KV_FIELDS)):

@@ -51,12 +51,14 @@ def _collect() -> dict[str, type[Backend]]:
     found: dict[str, type[Backend]] = {}
 
     def register(cls: type) -> None:
+        # A plugin's bad class is its load error (listed by kvreg info), not the others'.
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
-            raise BackendError(f"register() takes a kvreg.plugin.Backend subclass, got {cls!r}")
-        missing = sorted(getattr(cls, "__abstractmethods__", ()))
-        if missing:
-            raise BackendError(f"backend {cls.__name__} ({cls.name!r}) does not implement {', '.join(missing)}: "
-                               "implement them, or subclass kvreg.reference.ReferenceBackend to inherit them")
+            _refuse(repr(cls), f"register() takes a kvreg.plugin.Backend subclass, got {cls!r}")
+            return
+        if cls.__abstractmethods__:
+            _refuse(cls.name, f"backend {cls.__name__} does not implement {', '.join(sorted(cls.__abstractmethods__))}: "
+                              "implement them, or subclass kvreg.reference.ReferenceBackend to inherit them")
+            return
         if cls.name in found and found[cls.name] is not cls:
             warnings.warn(f"kvreg: two backends named {cls.name!r}; keeping the first", stacklevel=2)
             return
@@ -64,6 +66,11 @@ def _collect() -> dict[str, type[Backend]]:
 
     pm.hook.kvreg_register_backends(register=register)
     return found
+
+
+def _refuse(name: str, why: str) -> None:
+    _load_errors[name] = why
+    warnings.warn(f"kvreg: {why}", stacklevel=4)
 
 
 def backends() -> dict[str, type[Backend]]:

@@ -43,7 +43,7 @@ from collections import deque
 import numpy as np
 
 from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
-from .plugin import KV_ARRAYS, KvView, readonly
+from .plugin import KV_ARRAYS, KV_COUNTS, KvView, readonly
 from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates
 
 _GEN = itertools.count(1)
@@ -55,6 +55,12 @@ def next_generation() -> int:
 
 
 _FLOOR_LOG = 64
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    c = a.copy()
+    c.flags.writeable = False
+    return c
 
 
 class LayerStorage:
@@ -148,8 +154,9 @@ class LayerStorage:
         if self._blocks is None:  # arrays (re)allocated since the last view
             self._blocks = (self, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
                             self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
-        v = self._view = KvView._make(self._blocks + (readonly(self.lens), self.version, self.reset_version,
-                                                      self._log_start, tuple(self._floors)))
+        counts = tuple(None if a is None else _frozen(a) for a in (getattr(self, n) for n in KV_COUNTS))
+        v = self._view = KvView._make(self._blocks + counts + (self.version, self.reset_version, self._log_start,
+                                                               tuple(self._floors)))
         return v
 
     @classmethod
