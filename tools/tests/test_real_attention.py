@@ -159,7 +159,7 @@ def med(table, method, w, key="rel_median"):
 # (every method is exact there, hence the tiny medians), and the far-heavy
 # reads (exact far mass >= 0.2) have sharp attention on a few far rows, which
 # segment-mean landmarks (and pooling) do not represent; the heavy rows keep
-# the ones the recent prompt queries attend. The issue's target is met on
+# the ones the recent prompt queries attend. The median target is met on
 # this table (m 16, ndec 16). The report's default (ndec 32) is closer at
 # m 16: far-heavy nystrom/pool_m 0.94x (w 64) and 0.91x (w 256) at 2048 rows,
 # 0.59x / 0.53x at m 64. Born eviction given the same bytes still does
@@ -191,7 +191,7 @@ def test_nystrom_meets_pooling_target_on_real_data(table, w):
 
 
 @pytest.mark.parametrize("w", [64, 256])
-def test_issue6_target_on_real_data(table, w):
+def test_nystrom_beats_sinks_window_and_pooling_in_the_median(table, w):
     """The target: median below sinks + window alone AND at most 0.9x pooling."""
     ny_ = med(table, "nystrom", w)
     assert ny_ < med(table, "sinkwin", w) and ny_ <= 0.9 * med(table, "pool_m", w)
@@ -226,7 +226,7 @@ def test_cli_bench_o1_real(capsys, tmp_path):
     assert main(["bench", "decode", "--real"]) == 2
 
 
-def test_issue6_target_on_the_default_real_report():
+def test_nystrom_beats_sinks_window_and_pooling_on_the_default_real_report():
     """The README's real-data table (``kvreg bench o1 --real``, ndec 32): the
     median over all reads is below sinks + window and at most 0.9x pooling
     in every row (on the far-heavy reads alone two m-16 rows do not reach
