@@ -8,6 +8,7 @@ from .cache import EvictionPolicy, KvCache
 from .errors import (BackendError, ConfigError, KvregError, SealError, ShapeError, StateError,
                      WireError)
 from .layer import LayerKvCache
+from .lifecycle import Lifecycle
 from .modes import KV_COL_WARMUP, KV_K_GROUP, KvMode
 from .registry import backends, get_backend, refresh
 from .threads import get_num_threads, set_num_threads
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendError", "ConfigError", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
-    "KvregError", "LayerKvCache", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
+    "KvregError", "LayerKvCache", "Lifecycle", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
     "WireError", "WireKind", "backends", "get_backend", "get_num_threads", "refresh", "set_num_threads",
     "__version__",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .bounded import BoundedSnapshot, BoundedState, check_bounded_attend_args, ring_view
 from .errors import StateError
+from .lifecycle import Lifecycle
 
 
 class BoundedMixin:
@@ -17,10 +18,11 @@ class BoundedMixin:
 
         if self._seq_len or self._st.seq_len:
             raise StateError(f"install_bounded on a layer holding {self._seq_len} rows: install at load")
-        if self._o1 is not None:
-            raise StateError("install_bounded on a layer with an O(1) overlay")
+        if self._lifecycle in (Lifecycle.COLLECTING, Lifecycle.SEALED):
+            raise StateError(f"install_bounded on a layer with an O(1) overlay ({self._lifecycle.value})")
         self.bounded = BoundedState(self.num_kv_heads, self.head_dim, window, undo_depth=undo_depth)
         self.wire_kind = WireKind.Bounded
+        self._lifecycle = Lifecycle.BOUNDED
 
     def bounded_step(self, q, k, v, weights, rope, scale: float, num_heads: int):
         """One position: insert raw ``k, v`` (``[kvh, hd]``) into slot

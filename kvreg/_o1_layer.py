@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
+from .lifecycle import Lifecycle
 from .modes import KvMode
 from .nystrom import NystromState, O1Rect, o1_deferred_boundary
 
@@ -48,17 +49,35 @@ class O1Sealed:
     groups: list
 
 
+@dataclass
+class O1Overlay:
+    """Everything a layer's O(1) lifecycle holds, in one place (the layer's
+    ``lifecycle`` says which phase it is in). ``phase`` is the phase's data:
+    the query trace while collecting, the per-group states once sealed."""
+
+    phase: O1Collecting | O1Sealed | None = None
+    #: (m, w, sink, rect, heavy) of the last o1_begin (o1_recollect reuses them)
+    params: tuple | None = None
+    scale: float | None = None
+    q_stride: int = 1
+    #: set by a seal, consumed by take_o1_transition
+    transitioned: bool = False
+    #: a latched seal failure: appends are refused until clear()
+    error: str | None = None
+
+
 class O1Mixin:
-    """``o1_*`` methods of :class:`~kvreg.layer.LayerKvCache`."""
+    """``o1_*`` methods of :class:`~kvreg.layer.LayerKvCache`: they read and
+    write the layer's :class:`O1Overlay` (``_o1``), its storage and its
+    lifecycle, nothing else."""
 
     def _init_o1(self, error: str | None = None) -> None:
         """No overlay (a fresh layer, clear, an import, an abort latching ``error``)."""
-        self._o1 = None
-        self._o1_error = error
-        self._o1_q_stride = 1
-        self._o1_params = None
-        self._o1_transitioned = False
-        self._o1_scale = None
+        self._o1 = O1Overlay(error=error)
+        if error is not None:
+            self._lifecycle = Lifecycle.FAILED
+        else:
+            self._lifecycle = Lifecycle.BOUNDED if self.bounded is not None else Lifecycle.PLAIN
 
     # ── arming and the query trace ──
 
@@ -85,45 +104,43 @@ class O1Mixin:
             raise ShapeError(f"rect must be an O1Rect, got {rect!r}")
         if self.bounded is not None:
             raise StateError("a bounded-anchor layer cannot take an O(1) overlay")
-        self._o1_scale = float(V.scale(scale) if scale is not None else self.default_scale)
+        self._o1.scale = float(V.scale(scale) if scale is not None else self.default_scale)
         heavy = None if heavy is None else int(heavy)
-        self._o1 = O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy)
-        self._o1_q_stride = 1
-        self._o1_params = (int(m), int(w), int(sink), rect, heavy)
-        self._o1_error = None
-        self._o1_transitioned = False
+        self._o1 = O1Overlay(O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy),
+                             params=(int(m), int(w), int(sink), rect, heavy), scale=self._o1.scale)
+        self._lifecycle = Lifecycle.COLLECTING
 
     def o1_push_q(self, q_all) -> None:
         """Record one traced position's rotated queries (``num_heads*hd``).
         No-op unless collecting."""
-        if not isinstance(self._o1, O1Collecting):
+        if self._lifecycle is not Lifecycle.COLLECTING:
             return
         q = V.flat("q_all", q_all)
         if q.size == 0 or q.size % self.head_dim:
             raise ShapeError(f"q_all has {q.size} values; expected num_heads * {self.head_dim}")
-        self._o1.q_rows.append(q.copy() if np.shares_memory(q, q_all) else q)
+        self._o1.phase.q_rows.append(q.copy() if np.shares_memory(q, q_all) else q)
 
     def o1_set_q_trace(self, q) -> None:
         """The whole query trace at once, ``[rows / stride][num_heads][hd]``."""
-        if isinstance(self._o1, O1Collecting):
+        if self._lifecycle is Lifecycle.COLLECTING:
             flat = V.flat("q", q)
-            self._o1.q_rows = [flat.copy() if np.shares_memory(flat, q) else flat]
+            self._o1.phase.q_rows = [flat.copy() if np.shares_memory(flat, q) else flat]
 
     def o1_set_q_stride(self, stride: int) -> None:
         """One row in ``stride`` is in the query trace."""
-        self._o1_q_stride = max(V.nonneg_int("stride", stride), 1)
+        self._o1.q_stride = max(V.nonneg_int("stride", stride), 1)
 
     def o1_q_trace(self) -> np.ndarray | None:
         """The rotated-query trace collected so far (flat), while collecting."""
-        if not isinstance(self._o1, O1Collecting):
+        if self._lifecycle is not Lifecycle.COLLECTING:
             return None
-        rows = self._o1.q_rows
+        rows = self._o1.phase.q_rows
         return np.concatenate(rows) if rows else np.zeros(0, dtype=np.float32)
 
     def o1_recollect(self, k, v, q, stride: int, rows: int) -> bool:
         """Back to collecting over rows kept in host memory (``k``, ``v``:
         ``[rows][nkv][hd]``); the next seal builds the far field anew."""
-        if not isinstance(self._o1, O1Sealed) or self._o1_params is None:
+        if self._lifecycle is not Lifecycle.SEALED or self._o1.params is None:
             return False
         rows = V.position("rows", rows)
         stride = max(V.nonneg_int("stride", stride), 1)
@@ -131,31 +148,32 @@ class O1Mixin:
         kk = V.array("k", k, (rows, nkv, hd))
         vv = V.array("v", v, (rows, nkv, hd))
         qq = V.flat("q", q).copy()
-        m, w, sink, rect, heavy = self._o1_params
+        m, w, sink, rect, heavy = self._o1.params
         self._kv_rows_changed(0)
         self._st.release()
         self._st.append({"k": kk.transpose(1, 0, 2), "v": vv.transpose(1, 0, 2)}, np.arange(nkv), rows)
         self._seq_len = rows
         self._base = 0
-        self._o1_q_stride = stride
-        self._o1 = O1Collecting(m, w, sink, rect, rows, [qq], heavy)
+        self._o1.q_stride = stride
+        self._o1.phase = O1Collecting(m, w, sink, rect, rows, [qq], heavy)
+        self._lifecycle = Lifecycle.COLLECTING
         return True
 
     # ── boundary ──
 
     def o1_set_boundary(self, at: int) -> None:
         at = V.position("at", at)
-        if isinstance(self._o1, O1Collecting):
-            self._o1.seal_at = at
+        if self._lifecycle is Lifecycle.COLLECTING:
+            self._o1.phase.seal_at = at
 
     def o1_sealed(self) -> bool:
-        return isinstance(self._o1, O1Sealed)
+        return self._lifecycle is Lifecycle.SEALED
 
     def o1_collecting(self) -> bool:
-        return isinstance(self._o1, O1Collecting)
+        return self._lifecycle is Lifecycle.COLLECTING
 
     def o1_pending_boundary(self) -> int | None:
-        return self._o1.seal_at if isinstance(self._o1, O1Collecting) else None
+        return self._o1.phase.seal_at if self._lifecycle is Lifecycle.COLLECTING else None
 
     def o1_boundary_crossed_by(self, count: int) -> bool:
         """Whether appending ``count`` exact rows would cross the deferred
@@ -171,13 +189,13 @@ class O1Mixin:
         return target <= self._seq_len or nxt > target or (walk and nxt == target)
 
     def take_o1_transition(self) -> bool:
-        t, self._o1_transitioned = self._o1_transitioned, False
+        t, self._o1.transitioned = self._o1.transitioned, False
         return t
 
     def take_o1_error(self) -> str | None:
         """The latched seal failure, if any. Deliberately non-consuming: the
         error guards appends until ``clear()``."""
-        return self._o1_error
+        return self._o1.error
 
     # ── seal ──
 
@@ -203,11 +221,11 @@ class O1Mixin:
         """Checked seal: validation runs while the collecting state and the
         full KV are intact; only a valid completed boundary converts. Raises
         :class:`SealError` (nothing changed) on a malformed prerequisite."""
-        if self._o1_error is not None:
-            raise SealError(self._o1_error)
-        if not isinstance(self._o1, O1Collecting):
+        if self._o1.error is not None:
+            raise SealError(self._o1.error)
+        if self._lifecycle is not Lifecycle.COLLECTING:
             return self.o1_sealed()   # idempotent; a plain layer is not a participant
-        col = self._o1
+        col = self._o1.phase
         floor = o1_deferred_boundary(col.w, col.sink, col.m)
         target = max(col.seal_at if col.seal_at is not None else floor, floor)
         t = self._seq_len
@@ -225,7 +243,7 @@ class O1Mixin:
             num_heads = V.gqa(num_heads, nkv)
         except ShapeError:
             raise SealError(f"o1 seal: invalid GQA geometry num_heads={num_heads} num_kv_heads={nkv}") from None
-        stride = self._o1_q_stride
+        stride = self._o1.q_stride
         expected_q = -(-t // stride) * hd * num_heads
         q_len = col.q_len()
         if q_len != expected_q:
@@ -248,7 +266,7 @@ class O1Mixin:
                 raise SealError(f"o1 seal: the {name} hold NaN/inf; the Nyström far field needs finite rows")
 
         def seal_group(g: int) -> NystromState:
-            state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1_scale,
+            state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1.scale,
                                            rect=col.rect, kernels=self._nystrom_kernels(),
                                            heavy=col.heavy)
             # This group's heads, each head's queries contiguous: [hpk, t, hd]
@@ -276,8 +294,9 @@ class O1Mixin:
         # storage (this is the memory claim, not a cosmetic).
         self._kv_rows_changed(0)
         st.release()
-        self._o1 = O1Sealed(groups)
-        self._o1_transitioned = True
+        self._o1.phase = O1Sealed(groups)
+        self._o1.transitioned = True
+        self._lifecycle = Lifecycle.SEALED
         return True
 
     def _nystrom_kernels(self):
@@ -289,7 +308,7 @@ class O1Mixin:
     def o1_step(self, q_all, k_new, v_new, num_heads: int) -> np.ndarray:
         """One decode step on a sealed layer: per KV group insert the group's
         fresh (k, v) once and read every Q head. Returns ``[num_heads, hd]``."""
-        if not isinstance(self._o1, O1Sealed):
+        if self._lifecycle is not Lifecycle.SEALED:
             raise StateError("o1_step on a layer that is not sealed")
         nkv, hd = self.num_kv_heads, self.head_dim
         num_heads = V.gqa(num_heads, nkv)
@@ -303,7 +322,7 @@ class O1Mixin:
             raise ShapeError("o1_step: q_all, k_new and v_new must be finite")
         hpk = num_heads // nkv
         out = np.empty((num_heads, hd), dtype=np.float32)
-        for g, state in enumerate(self._o1.groups):
+        for g, state in enumerate(self._o1.phase.groups):
             out[g * hpk:(g + 1) * hpk] = state.step_group(q[g * hpk:(g + 1) * hpk], k[g], v[g])
         # The honest context depth: nothing is stored per position.
         self._seq_len += 1
@@ -312,12 +331,9 @@ class O1Mixin:
     def o1_memory_bytes(self) -> int:
         """Bytes of the overlay: the query trace while collecting, the
         per-group states once sealed."""
-        if isinstance(self._o1, O1Collecting):
-            return self._o1.q_len() * 4
-        if isinstance(self._o1, O1Sealed):
-            return sum(g.memory_bytes() for g in self._o1.groups)
+        if self._lifecycle is Lifecycle.COLLECTING:
+            return self._o1.phase.q_len() * 4
+        if self._lifecycle is Lifecycle.SEALED:
+            return sum(g.memory_bytes() for g in self._o1.phase.groups)
         return 0
 
-    def _o1_before_append(self) -> None:
-        if isinstance(self._o1, O1Sealed):
-            raise StateError("append on a sealed O(1) layer: decode through o1_step")

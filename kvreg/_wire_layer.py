@@ -8,6 +8,7 @@ import numpy as np
 
 from . import _validate as V
 from .errors import ConfigError, KvregError, WireError
+from .lifecycle import Lifecycle
 from .modes import KvMode
 from .storage import LayerStorage
 from .wire import (
@@ -110,7 +111,7 @@ class WireMixin:
         f16 = V.flag("f16", f16)
         st = self._st
         if self.wire_kind == WireKind.Full and st.mode is not KvMode.F32:
-            check_exportable(True, self._o1 is not None, False)
+            check_exportable(True, self._lifecycle in (Lifecycle.COLLECTING, Lifecycle.SEALED), False)
             if f16:
                 raise WireError(f"kv export: f16=True rounds F32 rows; this {st.mode.value} layer exports its "
                                 "storage's own blocks exactly (v3): export with f16=False")
@@ -122,7 +123,8 @@ class WireMixin:
             )
             return encode_layer(state, f16=False)
         # v2: the Linear/Bounded kinds carry no rows, whatever the mode.
-        check_exportable(True, self._o1 is not None, st.mode is KvMode.F32 and st.field_frozen())
+        check_exportable(True, self._lifecycle in (Lifecycle.COLLECTING, Lifecycle.SEALED),
+                         st.mode is KvMode.F32 and st.field_frozen())
         bounded = None
         if self.wire_kind == WireKind.Bounded:
             b = self.bounded

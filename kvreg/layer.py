@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _validate as V
 from .errors import SealError, ShapeError, StateError
+from .lifecycle import Lifecycle
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
 from .quant import HALF_OVERFLOW, from_half, fwht, to_half
 from .registry import get_backend
@@ -118,6 +119,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         holds: hold it too to read several getters as one state from a
         thread that does not drive the layer (docs/reliability.md)."""
         return self._lock
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        """Where this layer is in its life (:class:`kvreg.Lifecycle`): plain,
+        collecting, sealed, bounded, or failed."""
+        return self._lifecycle
 
     @property
     def storage(self) -> LayerStorage:
@@ -283,12 +290,13 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._extend(k, v, V.alive_mask(alive, nkv))
 
     def _extend(self, k: np.ndarray, v: np.ndarray, alive: np.ndarray) -> None:
-        if self._o1_error is not None:
-            raise SealError(f"append refused: the O(1) seal of this layer failed ({self._o1_error}); clear() it first")
-        if self.bounded is not None:
+        state = self._lifecycle
+        if state is Lifecycle.FAILED:
+            raise SealError(f"append refused: the O(1) seal of this layer failed ({self._o1.error}); clear() it first")
+        if state is Lifecycle.BOUNDED:
             raise StateError("append on a bounded-anchor layer: use bounded_step (it stores nothing per position)")
-        if self._o1 is not None:
-            self._o1_before_append()
+        if state is Lifecycle.SEALED:
+            raise StateError("append on a sealed O(1) layer: decode through o1_step")
         if self.pos_len + k.shape[0] > V.MAX_POSITION:
             raise ShapeError(f"append past absolute position 2**53 (the layer is at {self.pos_len}): "
                              "float64 does not resolve positions beyond it")
@@ -606,7 +614,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         align = V.nonneg_int("align", align)
         if anchor is not None:
             anchor = V.position("anchor", anchor)
-        if self._o1 is not None or self.bounded is not None or w == 0:
+        if self._lifecycle is not Lifecycle.PLAIN or w == 0:
             return 0
         self._tail = w
         if self._seq_len <= 2 * w:
@@ -634,7 +642,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         # An O(1) layer (collecting: still-needed exact prefix; sealed: its
         # state IS the eviction), a bounded ring and a sliding tail each bound
         # themselves; ordinary eviction leaves them alone.
-        return self._o1 is not None or self.bounded is not None or self._tail is not None
+        return self._lifecycle is not Lifecycle.PLAIN or self._tail is not None
 
     def evict(self, keep_last: int) -> None:
         """Drop the oldest positions, keeping the last ``keep_last``."""

@@ -61,8 +61,8 @@ def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
 
 def test_seal_is_idempotent_and_a_plain_layer_is_not_a_participant():
     lay, _ = _sealed()
-    groups = lay._o1.groups
-    assert lay.o1_seal(4) and lay._o1.groups is groups
+    groups = lay._o1.phase.groups
+    assert lay.o1_seal(4) and lay._o1.phase.groups is groups
     assert not layer(2, 16).o1_seal(4)
 
 
@@ -152,12 +152,12 @@ def test_o1_step_on_an_unsealed_layer_is_refused():
 
 def test_a_refused_o1_step_leaves_every_group_where_it_was():
     lay, d = _sealed()
-    seen = [g.seen for g in lay._o1.groups]
+    seen = [g.seen for g in lay._o1.phase.groups]
     k = d.k[64].copy()
     k[1, 0] = np.nan                      # group 1's row: group 0 must not have stepped
     with pytest.raises(ShapeError, match="finite"):
         lay.o1_step(d.q[64], k, d.v[64], 4)
-    assert [g.seen for g in lay._o1.groups] == seen and lay.seq_len == 64
+    assert [g.seen for g in lay._o1.phase.groups] == seen and lay.seq_len == 64
 
 
 def test_o1_recollect_validates_before_it_releases_the_seal():
@@ -199,8 +199,39 @@ def test_heavy_rows_per_group_follow_o1_begin():
         lay.o1_begin(4, 16, 2, heavy=heavy)
         _collect(lay, d, t, nh)
         assert lay.o1_seal(nh)
-        assert [g.n_heavy for g in lay._o1.groups] == [4 if heavy is None else heavy] * nkv
+        assert [g.n_heavy for g in lay._o1.phase.groups] == [4 if heavy is None else heavy] * nkv
         sizes[heavy] = lay.memory_bytes()
     assert sizes[None] - sizes[0] == 2 * (sizes[2] - sizes[0]) == nkv * 4 * 2 * hd * 4
     with pytest.raises(ShapeError, match="heavy"):
         layer(nkv, hd).o1_begin(4, 16, 2, heavy=-1)
+
+
+def test_the_lifecycle_is_one_explicit_state_through_every_transition():
+    from kvreg import Lifecycle
+
+    nh, nkv, hd, t = 4, 2, 16, 64
+    d = _prompt(t, nh, nkv, hd)
+    lay = layer(nkv, hd)
+    assert lay.lifecycle is Lifecycle.PLAIN
+    lay.o1_begin(4, 16, 2)
+    assert lay.lifecycle is Lifecycle.COLLECTING and lay.o1_collecting() and not lay.o1_sealed()
+    _collect(lay, d, t, nh)
+    assert lay.o1_seal(nh)
+    assert lay.lifecycle is Lifecycle.SEALED and lay.o1_sealed() and not lay.o1_collecting()
+    with pytest.raises(StateError, match="sealed"):
+        lay.append(d.k[0], d.v[0])
+    lay.clear()
+    assert lay.lifecycle is Lifecycle.PLAIN
+    lay.o1_begin(4, 16, 2)
+    lay.o1_abort("a test abort")
+    assert lay.lifecycle is Lifecycle.FAILED and lay.take_o1_error() == "a test abort"
+    with pytest.raises(SealError, match="a test abort"):
+        lay.append(d.k[0], d.v[0])
+    lay.clear()
+    assert lay.lifecycle is Lifecycle.PLAIN
+    lay.install_bounded(8)
+    assert lay.lifecycle is Lifecycle.BOUNDED
+    lay.clear()
+    assert lay.lifecycle is Lifecycle.BOUNDED, "the ring is the layer's: clear keeps it"
+    with pytest.raises(StateError, match="bounded"):
+        lay.append(d.k[0], d.v[0])
