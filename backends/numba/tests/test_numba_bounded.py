@@ -8,8 +8,9 @@ from kvreg.bounded import BoundedRope, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
 from kvreg.testing.bounded_oracle import bounded_attend_oracle
 from kvreg_numba.backend import NumbaBackend
+from kvreg.conformance.tolerances import tolerance
 
-RTOL = ATOL = 1e-5  # conformance/tolerances.py "bounded_attend"
+RTOL, ATOL, _ = tolerance("bounded_attend")
 
 
 def attend(be, q, rk, rv, seen, sk, sv, gws, rope, scale, nh):

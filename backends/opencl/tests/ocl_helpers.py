@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvreg.layer import LayerKvCache
+from kvreg.conformance.tolerances import tolerance
 
 
 def quantize_ref(x, col, group):
@@ -43,7 +44,7 @@ def quantize_ref(x, col, group):
 MODES = ("f32", "q8_2f", "q8k_2f", "q8v_2f")
 Q8_MODES = MODES[1:]
 #: float32 scores/exp/sums against the f64 oracle over <= 64 rows.
-RTOL = 2e-5
+RTOL = tolerance("decode_small_scaled")[0]
 
 
 class Rows:

@@ -7,8 +7,9 @@ import pytest
 from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
 from kvreg.testing.bounded_oracle import bounded_attend_oracle as _oracle
+from kvreg.conformance.tolerances import tolerance
 
-RTOL = ATOL = 1e-5  # conformance's bounded_attend tolerance
+RTOL, ATOL, _ = tolerance("bounded_attend")
 
 
 @pytest.fixture(scope="module")

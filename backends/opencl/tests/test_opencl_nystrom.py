@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from kvreg.nystrom import NystromState, nystrom_step
 from kvreg.testing.nystrom_oracle import nystrom_oracle
+from kvreg.conformance.tolerances import tolerance
 
-RTOL, ATOL = 1e-4, 1e-5  # conformance's nystrom_step tolerance
+RTOL, ATOL, _ = tolerance("nystrom_step")
 
 
 @pytest.fixture(scope="module")
