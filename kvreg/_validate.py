@@ -13,7 +13,20 @@ from .errors import ShapeError
 __tracebackhide__ = True
 
 
+def _from_torch(x):
+    """A torch tensor as a numpy array sharing its memory where it can (a
+    CPU tensor of a dtype numpy has; bfloat16 is widened, a device tensor
+    copied to the host); anything else unchanged. torch is never imported."""
+    if not type(x).__module__.startswith("torch") or not hasattr(x, "detach"):
+        return x
+    t = x.detach()
+    if str(t.dtype) == "torch.bfloat16":
+        t = t.float()
+    return t.cpu().numpy()
+
+
 def _as_f32(name: str, x) -> np.ndarray:
+    x = _from_torch(x)
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             if np.can_cast(x.dtype, np.float32, casting="safe"):
@@ -119,9 +132,56 @@ def array(name: str, x, shape: tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(a.reshape(shape))
 
 
-def float_block(name: str, x, nkv: int, hd: int) -> np.ndarray:
-    """``[n, nkv, hd]`` or ``[n, nkv*hd]`` -> C-contiguous float32 ``[n, nkv, hd]``."""
+#: Row layouts ``extend`` takes: token-major, head-major, and transformers'
+#: batch-of-one head-major.
+LAYOUTS = ("nhd", "hnd", "bhnd")
+
+
+def _layout_of(shape: tuple, nkv: int) -> str | None:
+    """The layout a block's shape says (None: ambiguous, ``n == nkv > 1``)."""
+    if len(shape) == 4:
+        return "bhnd"
+    if len(shape) == 3 and shape[0] == shape[1] == nkv and nkv > 1:
+        return None
+    if len(shape) == 3 and shape[0] == nkv:
+        return "hnd"
+    return "nhd"
+
+
+def kv_layout(k, v, nkv: int, layout: str | None) -> str | None:
+    """One layout for a K/V pair: the one given, or the one either shape
+    says when the other is ambiguous (None when both are: float_block refuses)."""
+    if layout is not None:
+        return layout
+    got = {_layout_of(np.shape(_from_torch(x)), nkv) for x in (k, v)} - {None}
+    return got.pop() if len(got) == 1 else None
+
+
+def float_block(name: str, x, nkv: int, hd: int, layout: str | None = None) -> np.ndarray:
+    """A block of ``n`` rows per head as float32 ``[n, nkv, hd]``: token-major
+    (``"nhd"``: ``[n, nkv, hd]`` or ``[n, nkv*hd]``, made C-contiguous) or
+    head-major (``"hnd"``: ``[nkv, n, hd]``; ``"bhnd"``: ``[1, nkv, n, hd]``,
+    transformers' layout), returned as a transposed view: a C-contiguous
+    head-major block is not copied, as storage is head-major too. ``layout``
+    None reads the shape, and refuses a 3-D block whose first two axes are
+    both ``nkv`` (``n == nkv > 1``: either layout fits) rather than guess."""
     a = _as_f32(name, x)
+    if layout is None:
+        layout = _layout_of(a.shape, nkv)
+        if layout is None:
+            raise ShapeError(f"{name} has shape {a.shape}: both [n, {nkv}, {hd}] (token-major) and "
+                             f"[{nkv}, n, {hd}] (head-major) fit; pass layout='nhd' or layout='hnd'")
+    elif layout not in LAYOUTS:
+        raise ShapeError(f"layout must be one of {', '.join(LAYOUTS)} or None, got {layout!r}")
+    if layout == "bhnd":
+        if a.ndim != 4 or a.shape[0] != 1:
+            raise ShapeError(f"{name} has shape {a.shape}; layout 'bhnd' is [1, {nkv}, n, {hd}] "
+                             "(one sequence per layer cache)")
+        a, layout = a[0], "hnd"
+    if layout == "hnd":
+        if a.ndim != 3 or a.shape[0] != nkv or a.shape[2] != hd:
+            raise ShapeError(f"{name} has shape {a.shape}; expected head-major [{nkv}, n, {hd}]")
+        return a.transpose(1, 0, 2)
     if a.ndim == 2 and a.shape[1] == nkv * hd:
         a = a.reshape(a.shape[0], nkv, hd)
     if a.ndim != 3 or a.shape[1:] != (nkv, hd):

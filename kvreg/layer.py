@@ -277,14 +277,21 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         v = V.rows("v", v, nkv, hd)
         self._extend(k[None], v[None], V.alive_mask(alive, nkv))
 
-    def extend(self, k, v, alive=None) -> None:
-        """Append ``n`` positions at once (a prefill chunk): ``k``, ``v`` are
-        ``[n, num_kv_heads, head_dim]`` (or ``[n, nkv*hd]``). The storage ends
-        bit for bit as after ``n`` calls of :meth:`append` (the q8 field
-        freezes at the same row), in one copy per head."""
+    def extend(self, k, v, alive=None, *, layout: str | None = None) -> None:
+        """Append ``n`` positions at once (a prefill chunk). ``k``, ``v``: numpy
+        arrays or torch tensors (a contiguous CPU float32 tensor is read in
+        place), token-major ``[n, num_kv_heads, head_dim]`` (or ``[n,
+        nkv*hd]``; ``layout="nhd"``) or head-major ``[nkv, n, hd]``
+        (``"hnd"``, the storage's own layout: no copy before the store) or
+        ``[1, nkv, n, hd]`` (``"bhnd"``, transformers' key/value states).
+        ``layout`` None reads the shape and refuses one that fits both
+        (``n == nkv``). The storage ends bit for bit as after ``n`` calls of
+        :meth:`append` (the q8 field freezes at the same row), in one copy
+        per head."""
         nkv, hd = self.num_kv_heads, self.head_dim
-        k = V.float_block("k", k, nkv, hd)
-        v = V.float_block("v", v, nkv, hd)
+        layout = V.kv_layout(k, v, nkv, layout)
+        k = V.float_block("k", k, nkv, hd, layout)
+        v = V.float_block("v", v, nkv, hd, layout)
         if k.shape[0] != v.shape[0]:
             raise ShapeError(f"k has {k.shape[0]} rows and v {v.shape[0]}; expected the same count")
         self._extend(k, v, V.alive_mask(alive, nkv))

@@ -48,3 +48,64 @@ def test_extend_under_q8_refuses_a_non_finite_row_anywhere_in_the_chunk():
     with pytest.raises(ShapeError, match="inf/NaN"):
         c.extend(k, np.ones((100, 1, 32), np.float32))
     assert c.seq_len == 0 and c.head_len(0) == 0
+
+
+# ── layouts and torch tensors ──
+
+def _bits(c):
+    st = c.storage
+    return [getattr(st, n)[h, : st.lens[h]].tobytes() for n in st.block_names() for h in range(st.num_kv_heads)]
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q4"])
+def test_head_major_blocks_store_the_same_bits_as_token_major(mode):
+    rng = np.random.default_rng(3)
+    k, v = rng.standard_normal((2, 5, 3, 8)).astype(np.float32)
+    ref = LayerKvCache(3, 8, mode, "reference")
+    ref.extend(k, v)
+    for layout, kk, vv in (("hnd", k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy()),
+                           ("bhnd", k.transpose(1, 0, 2)[None].copy(), v.transpose(1, 0, 2)[None].copy()),
+                           (None, k.transpose(1, 0, 2).copy(), v.transpose(1, 0, 2).copy())):
+        c = LayerKvCache(3, 8, mode, "reference")
+        c.extend(kk, vv, layout=layout)
+        assert _bits(c) == _bits(ref), layout
+
+
+def test_a_contiguous_head_major_block_is_read_in_place():
+    from kvreg import _validate as V
+
+    k = np.ones((3, 5, 8), np.float32)
+    view = V.float_block("k", k, 3, 8, "hnd")
+    assert view.shape == (5, 3, 8) and np.shares_memory(view, k)
+
+
+def test_an_ambiguous_shape_is_refused_rather_than_guessed():
+    c = LayerKvCache(3, 8, "f32", "reference")
+    k = np.ones((3, 3, 8), np.float32)
+    with pytest.raises(ShapeError, match="layout='nhd' or layout='hnd'"):
+        c.extend(k, k)
+    assert c.seq_len == 0
+    c.extend(k, k, layout="hnd")
+    assert c.seq_len == 3
+    with pytest.raises(ShapeError, match="layout must be one of"):
+        c.extend(k, k, layout="thd")
+    with pytest.raises(ShapeError, match="one sequence per layer"):
+        c.extend(np.ones((2, 3, 1, 8), np.float32), np.ones((2, 3, 1, 8), np.float32))
+    assert c.seq_len == 3
+
+
+def test_torch_tensors_are_taken_without_a_copy_where_they_can_be():
+    torch = pytest.importorskip("torch")
+    from kvreg import _validate as V
+
+    t = torch.randn(1, 3, 4, 8)
+    view = V.float_block("k", t, 3, 8)
+    assert np.shares_memory(view, t.numpy()), "a contiguous CPU float32 tensor is read in place"
+    a, b = LayerKvCache(3, 8, "f32", "reference"), LayerKvCache(3, 8, "f32", "reference")
+    a.extend(t, t)
+    b.extend(t[0].numpy().transpose(1, 0, 2), t[0].numpy().transpose(1, 0, 2), layout="nhd")
+    assert _bits(a) == _bits(b)
+    h = t.to(torch.bfloat16)
+    c = LayerKvCache(3, 8, "bf16", "reference")
+    c.extend(h, h, layout="bhnd")  # widened once (numpy has no bfloat16); bf16 storage holds it exactly
+    assert np.array_equal(c.head_keys(0), h[0, 0].float().numpy())

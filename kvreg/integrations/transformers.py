@@ -315,12 +315,14 @@ class KvregCache(Cache):
         scale = None if scaling is None else float(scaling)
         with torch.no_grad():
             q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
-            k = key.detach().to(torch.float32).transpose(1, 2)     # [b, n, kvh, hd]
-            v = value.detach().to(torch.float32).transpose(1, 2)
+            # K/V stay head-major [b, kvh, n, hd], the storage's layout: a
+            # float32 model's states are stored without another copy.
+            k = key.detach().to(torch.float32)
+            v = value.detach().to(torch.float32)
             out = np.zeros((bsz, q_len, nh, hd), dtype=np.float32)
             for b in range(bsz):
                 cols = _new_columns(mask, b, q_len)
-                qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b, cols], v[b, cols])
+                qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b][:, cols], v[b][:, cols])
                 if qb.shape[0] == 0:
                     continue
                 res = self._attend_sequence(self._seqs[b].layers[layer_idx], qb.numpy(), kb.numpy(), vb.numpy(),
@@ -333,7 +335,7 @@ class KvregCache(Cache):
 
     def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window) -> np.ndarray:
         """Store ``n`` new rows of one sequence and attend its ``n`` queries
-        (``q [n, nh, hd]``, ``k``/``v`` ``[n, kvh, hd]``); returns ``[n, nh, hd]``."""
+        (``q [n, nh, hd]``, ``k``/``v`` head-major ``[kvh, n, hd]``); returns ``[n, nh, hd]``."""
         n, nh = q.shape[0], q.shape[1]
         sealing = self.o1 is not None and window is None
         if sealing:
@@ -346,9 +348,9 @@ class KvregCache(Cache):
                 if not layer.o1_seal(nh) and layer.take_o1_error() is not None:
                     raise SealError(f"O(1) seal failed: {layer.take_o1_error()}")
             if layer.o1_sealed():
-                return np.stack([layer.o1_step(q[i], k[i], v[i], nh) for i in range(n)])
+                return np.stack([layer.o1_step(q[i], k[:, i], v[:, i], nh) for i in range(n)])
         s0 = layer.seq_len
-        layer.extend(k, v)
+        layer.extend(k, v, layout="hnd")
         if n == 1:
             out = layer.attend_layer(q[0], scale=scale, window=window, importance=isinstance(self.policy, Born))[None]
         else:
