@@ -26,7 +26,8 @@ def _from_torch(x):
 
 
 def _as_f32(name: str, x) -> np.ndarray:
-    x = _from_torch(x)
+    if not isinstance(x, np.ndarray):
+        x = _from_torch(x)
     if isinstance(x, np.ndarray):
         if x.dtype != np.float32:
             if np.can_cast(x.dtype, np.float32, casting="safe"):
