@@ -10,6 +10,10 @@ from __future__ import annotations
 
 
 def _cmd_bench(args) -> int:
+    if getattr(args, "model", None):
+        from kvreg_tools.model_bench import main as model_main
+
+        return model_main(args)
     from kvreg_tools.bench import main as bench_main
 
     return bench_main(args)
@@ -68,6 +72,8 @@ def register_eval(sub) -> None:
 
 
 def register_bench(sub) -> None:
+    from kvreg.models import MODELS
+
     bp = sub.add_parser("bench", help="throughput against the machine's limits and peers")
     bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
     bp.add_argument("--backend", action="append", default=None)
@@ -76,6 +82,14 @@ def register_bench(sub) -> None:
                     help="o1 only: the accuracy table on real captured Q/K/V (kvreg_tools.real_attention)")
     bp.add_argument("--json", default=None, metavar="FILE")
     bp.add_argument("--plot", default=None, metavar="FILE.png")
+    mg = bp.add_argument_group("a real model (kvreg_tools.model_bench)")
+    mg.add_argument("--model", default=None, choices=list(MODELS),
+                    help="decode and prefill in this model: kvreg beside DynamicCache and StaticCache")
+    mg.add_argument("--context", type=int, default=None, help="prefilled tokens (default 4096; --quick 64)")
+    mg.add_argument("--steps", type=int, default=None, help="greedy steps per config per round (default 16)")
+    mg.add_argument("--repeats", type=int, default=None, help="round-robin rounds (default 3)")
+    mg.add_argument("--configs", default=None,
+                    help="comma-separated: kvreg:MODE, dynamic, static (default kvreg:f32,kvreg:q8,dynamic,static)")
     bp.set_defaults(func=_cmd_bench)
 
 

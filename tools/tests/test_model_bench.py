@@ -1,0 +1,70 @@
+"""``kvreg bench --model`` (kvreg_tools.model_bench) at a tiny size on a real
+model: the report's structure and that each step's split adds up, no speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvreg_tools import model_bench  # noqa: E402
+
+
+def test_bench_model_quick_reports_split_ratios_and_raw_timings(tmp_path, capsys):
+    from kvreg.cli import main
+
+    out = tmp_path / "model.json"
+    assert main(["bench", "--model", "smollm2-135m", "--quick", "--configs", "kvreg:f32,dynamic,static",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for part in ("| kvreg:f32 |", "| dynamic |", "| static |", "cache+attn / dynamic", "prefill attn / SDPA",
+                 "target kvreg:f32"):
+        assert part in text, part
+    res = json.loads(out.read_text())
+    assert res["model"] == "smollm2-135m" and res["context"] == 64 and res["steps"] == 2 and res["repeats"] == 1
+    assert res["configs"] == ["kvreg:f32", "dynamic", "static"]
+    layers = 30
+    for name in res["configs"]:
+        raw = res["raw"][name]
+        pre = raw["prefill"]
+        assert pre["tokens"] == 64 and pre["attention_calls"] == layers
+        assert pre["cache_ns"] + pre["attention_ns"] + pre["rest_ns"] == pre["step_ns"]
+        assert len(raw["steps"]) == 2 and len(raw["tokens"]) == 1 + 1 + 2   # prefill, warm-up, timed
+        for st in raw["steps"]:
+            assert st["cache_ns"] > 0 and st["attention_ns"] > 0 and st["rest_ns"] > 0
+            assert st["cache_ns"] + st["attention_ns"] + st["rest_ns"] == st["step_ns"]
+            assert st["attention_calls"] == layers and st["round"] == 0
+            assert st["update_call_ns"] + st["kvreg_extend_ns"] == st["cache_ns"]
+            assert (st["kvreg_extend_ns"] > 0) == name.startswith("kvreg")
+        s = res["summary"][name]
+        parts = s["median_cache_ms"] + s["median_attention_ms"] + s["median_rest_ms"]
+        assert parts == pytest.approx(s["median_step_ms"], rel=1e-9)
+        assert s["tokens_per_s"] == pytest.approx(1e3 / s["median_step_ms"])
+        assert s["prefill_attention_ms"] > 0
+    r = res["ratios"]["kvreg:f32"]
+    for key in ("cache_attention_vs_dynamic", "cache_attention_vs_static", "step_vs_dynamic", "step_vs_static",
+                "prefill_attention_vs_sdpa"):
+        assert r[key] > 0, key
+    assert set(res["ratios"]) == {"kvreg:f32"}
+    assert res["greedy_agreement_with_dynamic"]["dynamic"] == 1.0
+    assert res["kvreg_backend"] and res["machine"]["torch_threads"] >= 1
+
+
+def test_parse_configs_refuses_unknown_and_repeated():
+    from kvreg.errors import ConfigError
+
+    assert [c.name for c in model_bench.parse_configs("kvreg:q8, dynamic,static")] == ["kvreg:q8", "dynamic",
+                                                                                       "static"]
+    for bad in ("kvreg:nope", "sdpa", "dynamic,dynamic", ""):
+        with pytest.raises(ConfigError):
+            model_bench.parse_configs(bad)
+
+
+def test_bench_model_refuses_a_subcommand(capsys):
+    from kvreg.cli import main
+
+    assert main(["bench", "decode", "--model", "smollm2-135m"]) == 2
+    assert "--model" in capsys.readouterr().err
