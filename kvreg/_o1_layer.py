@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -64,6 +65,15 @@ class O1Overlay:
     transitioned: bool = False
     #: a latched seal failure: appends are refused until clear()
     error: str | None = None
+    #: self-sealing (``o1_begin(..., auto=True)``): the layer records the
+    #: queries its attends see and seals at the first one-row append after the
+    #: prompt; a sealed layer then takes ``append`` + ``attend_layer``
+    auto: bool = False
+    #: the query heads of the recorded trace (self-sealing)
+    num_heads: int | None = None
+    #: the row an ``append`` on a sealed self-sealing layer handed over, for
+    #: the ``attend_layer`` that follows
+    staged: tuple | None = None
 
 
 class O1Mixin:
@@ -82,18 +92,26 @@ class O1Mixin:
     # ── arming and the query trace ──
 
     def o1_begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, *, scale=None,
-                 heavy: int | None = None) -> None:
+                 heavy: int | None = None, auto: bool = False) -> None:
         """Arm query collection for a fresh prompt pass."""
-        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale, heavy=heavy)
+        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale, heavy=heavy, auto=auto)
 
     def o1_begin_with_boundary(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate,
                                seal_at: int | None = None, *, scale=None,
-                               heavy: int | None = None) -> None:
+                               heavy: int | None = None, auto: bool = False) -> None:
         """Arm collection with an optional completed-row seal barrier.
 
         The geometry (m >= 4, w > 0) is checked by the seal, as the seed does;
         here only the types. ``scale`` is the score scale (1/√hd by default);
         ``heavy`` the far rows each group keeps exact (None: ``m``).
+
+        ``auto=True`` makes the layer seal itself inside the ordinary decode
+        protocol: ``attend_chunk``/``attend_layer`` record the queries they
+        see while collecting, the first one-row ``append`` after the prompt
+        (once the layer holds the boundary's rows) seals, and a sealed layer
+        takes ``append(k, v)`` then ``attend_layer(q)`` as one ``o1_step``. A
+        seal the layer cannot make there (a malformed prerequisite) leaves it
+        plain, its rows exact, with a warning, instead of latching.
         """
         m, w, sink = V.nonneg_int("m", m), V.nonneg_int("w", w), V.nonneg_int("sink", sink)
         if heavy is not None:
@@ -107,7 +125,8 @@ class O1Mixin:
         self._o1.scale = float(V.scale(scale) if scale is not None else self.default_scale)
         heavy = None if heavy is None else int(heavy)
         self._o1 = O1Overlay(O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy),
-                             params=(int(m), int(w), int(sink), rect, heavy), scale=self._o1.scale)
+                             params=(int(m), int(w), int(sink), rect, heavy), scale=self._o1.scale,
+                             auto=V.flag("auto", auto))
         self._lifecycle = Lifecycle.COLLECTING
 
     def o1_push_q(self, q_all) -> None:
@@ -237,8 +256,6 @@ class O1Mixin:
         hd, nkv = self.head_dim, self.num_kv_heads
         if t == 0:
             raise SealError("o1 seal: cannot seal an empty layer")
-        if self.mode is not KvMode.F32:
-            raise SealError(f"o1 seal: requires dense F32 KV storage, the layer stores {self.mode.value}")
         try:
             num_heads = V.gqa(num_heads, nkv)
         except ShapeError:
@@ -258,10 +275,13 @@ class O1Mixin:
         trace = (rows[0] if len(rows) == 1 else np.concatenate(rows)).reshape(-1, num_heads, hd)
         pick = None if stride == 1 else np.arange(t) // stride
         st = self._st
+        # Every mode seals from its rows as attention reads them (widened,
+        # dequantized, un-rotated float32); the sealed state is float32.
+        keys, values = (st.k[:, :t], st.v[:, :t]) if self.mode is KvMode.F32 else self._widened_rows(0, t)
         # The far-field fit of a NaN/inf row is NaN everywhere: a malformed
         # prerequisite like the others (abort and latch), found before any
         # group converts.
-        for name, a in (("query trace", trace), ("keys", st.k[:, :t]), ("values", st.v[:, :t])):
+        for name, a in (("query trace", trace), ("keys", keys), ("values", values)):
             if not np.isfinite(a).all():
                 raise SealError(f"o1 seal: the {name} hold NaN/inf; the Nyström far field needs finite rows")
 
@@ -273,7 +293,7 @@ class O1Mixin:
             # (position p reads trace row p // stride).
             qg = trace[:, g * hpk:(g + 1) * hpk]
             qs = np.ascontiguousarray((qg if pick is None else qg[pick]).transpose(1, 0, 2))
-            state.prefill_group(qs, st.k[g, :t], st.v[g, :t])
+            state.prefill_group(qs, keys[g], values[g])
             return state
 
         # One group's state depends on its rows alone, so groups can seal on
@@ -302,6 +322,58 @@ class O1Mixin:
     def _nystrom_kernels(self):
         # The state calls nystrom_prefill/absorb/step on the layer's backend.
         return self.backend
+
+    # ── self-sealing (auto) ──
+
+    def _o1_record(self, q: np.ndarray) -> None:
+        """A self-sealing layer's attend saw queries ``q [..., nh, hd]``: trace them."""
+        o = self._o1
+        if not (o.auto and self._lifecycle is Lifecycle.COLLECTING):
+            return
+        nh = q.shape[-2]
+        if o.num_heads not in (None, nh):
+            raise ShapeError(f"attend with {nh} query heads on a layer collecting {o.num_heads}-head queries")
+        o.num_heads = nh
+        o.phase.q_rows.append(np.array(q, dtype=np.float32).ravel())
+
+    def _o1_auto_append(self, k: np.ndarray, v: np.ndarray) -> bool:
+        """``append`` of one row ``k, v [nkv, hd]`` on a self-sealing layer:
+        seal at the prompt's end, stage the row on a sealed layer. True when
+        the row was taken here (it is not stored as an exact row)."""
+        o = self._o1
+        if not o.auto:
+            return False
+        if self._lifecycle is Lifecycle.SEALED:
+            if not (np.isfinite(k).all() and np.isfinite(v).all()):
+                raise ShapeError("append on a sealed layer: k and v must be finite")
+            o.staged = (k.copy(), v.copy())
+            return True
+        if self._lifecycle is not Lifecycle.COLLECTING or not self._seq_len or o.num_heads is None:
+            return False
+        col = o.phase
+        if self._seq_len < max(col.seal_at or 0, o1_deferred_boundary(col.w, col.sink, col.m)):
+            return False  # a short prompt: exact rows until the layer holds the boundary's
+        try:
+            self.o1_seal_checked(o.num_heads)
+        except SealError as exc:
+            warnings.warn(f"kvreg: the O(1) seal could not be made ({exc}); the layer stays exact", stacklevel=4)
+            self._o1 = O1Overlay()
+            self._lifecycle = Lifecycle.PLAIN
+            return False
+        o.staged = (k.copy(), v.copy())
+        return True
+
+    def _o1_auto_attend(self, q: np.ndarray) -> np.ndarray:
+        """``attend_layer(q)`` on a sealed self-sealing layer: the step of the staged row."""
+        o = self._o1
+        if not o.auto:
+            raise StateError("attend_layer on a sealed O(1) layer: decode through o1_step "
+                             "(or arm the seal with o1_begin(..., auto=True))")
+        if o.staged is None:
+            raise StateError("attend_layer on a sealed layer needs the position's row first: append(k, v)")
+        k, v = o.staged
+        o.staged = None
+        return self.o1_step(q, k, v, q.shape[0])
 
     # ── sealed decode ──
 

@@ -275,7 +275,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         nkv, hd = self.num_kv_heads, self.head_dim
         k = V.rows("k", k, nkv, hd)
         v = V.rows("v", v, nkv, hd)
-        self._extend(k[None], v[None], V.alive_mask(alive, nkv))
+        alive = V.alive_mask(alive, nkv)
+        if alive.all() and self._o1_auto_append(k, v):
+            return
+        self._extend(k[None], v[None], alive)
 
     def extend(self, k, v, alive=None, *, layout: str | None = None) -> None:
         """Append ``n`` positions at once (a prefill chunk). ``k``, ``v``: numpy
@@ -303,7 +306,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if state is Lifecycle.BOUNDED:
             raise StateError("append on a bounded-anchor layer: use bounded_step (it stores nothing per position)")
         if state is Lifecycle.SEALED:
-            raise StateError("append on a sealed O(1) layer: decode through o1_step")
+            raise StateError("extend on a sealed O(1) layer: it takes one position at a time, through o1_step "
+                             "(or append + attend_layer when it seals itself: o1_begin(..., auto=True))")
         if self.pos_len + k.shape[0] > V.MAX_POSITION:
             raise ShapeError(f"append past absolute position 2**53 (the layer is at {self.pos_len}): "
                              "float64 does not resolve positions beyond it")
@@ -508,8 +512,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if V.flag("importance", importance) else None
-        return self._rotated_attend(self.backend.attend_layer, q, self._st, scale=scale, window=window,
-                                    softcap=V.softcap(softcap), sinks=sinks, imp=imp)
+        softcap = V.softcap(softcap)
+        if self._lifecycle is Lifecycle.SEALED:
+            if window is not None or sinks is not None or softcap:
+                raise StateError("attend_layer on a sealed layer reads its sinks, window and far field: "
+                                 "window, learned sinks and softcap do not apply (importance has no rows)")
+            return self._o1_auto_attend(q)
+        out = self._rotated_attend(self.backend.attend_layer, q, self._st, scale=scale, window=window,
+                                   softcap=softcap, sinks=sinks, imp=imp)
+        self._o1_record(q)
+        return out
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
                      window: int | None = None) -> np.ndarray:
@@ -541,8 +553,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         scale = self.default_scale if scale is None else V.scale(scale)
         native_q8 = self.mode.quantized and not self._st.window and self.backend.native_q8_chunk
         if self.mode is KvMode.F32 or native_q8:
-            return self.backend.attend_chunk(q, self._st.view(), s0=s0, b=b, hpk=heads_per_kv, scale=scale,
-                                             window=window, imp=self._st.imp)
+            out = self.backend.attend_chunk(q, self._st.view(), s0=s0, b=b, hpk=heads_per_kv, scale=scale,
+                                            window=window, imp=self._st.imp)
+            self._o1_record(q)
+            return out
         # q8, q4, f16, bf16: widen only the key range the chunk reads, once per call; the
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
@@ -557,8 +571,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             k[:, a - lo: n - lo] = f[2][:, a - (n - f[2].shape[1]):]
             v[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
         view = LayerStorage.of_rows(k, v).view()
-        return self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
-                                         imp=self._st.imp[lo:])
+        out = self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
+                                        imp=self._st.imp[lo:])
+        self._o1_record(q)
+        return out
 
     def _widened_rows(self, lo: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """This layer's rows ``[lo, n)`` as float32 ``[nkv, n-lo, hd]`` K and V

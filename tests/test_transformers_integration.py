@@ -201,10 +201,17 @@ def test_o1_seal_runs_inside_generate_with_memory_constant_in_context(lm):
     assert sum(layer.memory_bytes() for layer in glob) == before
 
 
+def test_the_seal_runs_on_a_quantized_cache_too(lm):
+    name, model, tok = lm
+    inputs = tok(PROMPT * 6, return_tensors="pt")
+    cache = KvregCache(model, mode="q8", o1=(8, 16, 4))
+    _generate(model, inputs, cache, n=3)
+    glob = [layer for w, layer in zip(cache.windows, cache.sequences[0].layers) if w is None]
+    assert glob and all(layer.o1_sealed() for layer in glob)
+
+
 def test_refusals_name_what_is_supported(lm):
     name, model, tok = lm
-    with pytest.raises(ConfigError, match="F32"):
-        KvregCache(model, mode="q8", o1=(16, 64, 4))
     with pytest.raises(ConfigError, match="budget"):
         KvregCache(model, policy=EvictionPolicy.Born(sink=4))
     with pytest.raises(ConfigError, match="one of them"):

@@ -39,10 +39,12 @@ How it fits transformers (5.x):
   attention mass (kvreg's importance, accumulated by every attend);
   ``EvictionPolicy.Recent`` keeps the ``sink`` first rows (argument
   ``sink``, default 0) and the newest.
-- The O(1) seal (``o1=(m, w, sink)``): every global layer records its prompt
-  queries as it attends, and seals at the first decode step once it holds
-  enough rows (the seed's deferred boundary, ``w + sink + m + 1``); sealed
-  layers decode through ``o1_step``. F32 storage only.
+- The O(1) seal (``o1=(m, w, sink)``): every global layer is a self-sealing
+  layer (``o1_begin(..., auto=True)``): it records its prompt queries as it
+  attends and seals itself at the first decode step once it holds enough
+  rows (the seed's deferred boundary, ``w + sink + m + 1``); the cache just
+  appends and attends. Every KV mode seals (from its rows as attention reads
+  them); a layer whose seal cannot be made stays exact, with a warning.
 - dtypes: float32, bfloat16 and float16 models all work. The cache stores
   the mode's format (F32: float32 rows; F16/BF16: 2-byte rows; q8 modes:
   int8 rows with float32 scales); with no ``mode`` and no ``KVREG_KV`` it
@@ -64,7 +66,8 @@ import numpy as np
 
 from .. import _validate as V
 from ..cache import Born, KvCache, Recent
-from ..errors import ConfigError, SealError, ShapeError
+from ..errors import ConfigError, ShapeError
+from ..lifecycle import Lifecycle
 from ..modes import Q8_EXACT_ROWS, KvMode
 
 try:
@@ -224,8 +227,6 @@ class KvregCache(Cache):
                 raise ConfigError(f"o1 must be (m, w, sink), got {o1!r}")
             for name, x in zip(("o1 m", "o1 w", "o1 sink"), o1):
                 V.nonneg_int(name, x)
-            if self.mode is not KvMode.F32:
-                raise ConfigError(f"the O(1) seal needs F32 storage; mode is {self.mode.value}")
             o1 = tuple(int(x) for x in o1)
         self.policy, self.budget, self.o1 = policy, budget, o1
         self.backend = backend
@@ -337,26 +338,25 @@ class KvregCache(Cache):
         """Store ``n`` new rows of one sequence and attend its ``n`` queries
         (``q [n, nh, hd]``, ``k``/``v`` head-major ``[kvh, n, hd]``); returns ``[n, nh, hd]``."""
         n, nh = q.shape[0], q.shape[1]
-        sealing = self.o1 is not None and window is None
-        if sealing:
-            if not layer.o1_collecting() and not layer.o1_sealed() and layer.seq_len == 0:
-                m, w, sink = self.o1
-                layer.o1_begin(m, w, sink, scale=scale)
-            if layer.o1_collecting() and n == 1 and layer.seq_len:
-                # The first decode step after the prompt: seal when the layer
-                # holds enough rows (the deferred boundary), else keep exact.
-                if not layer.o1_seal(nh) and layer.take_o1_error() is not None:
-                    raise SealError(f"O(1) seal failed: {layer.take_o1_error()}")
-            if layer.o1_sealed():
-                return np.stack([layer.o1_step(q[i], k[:, i], v[:, i], nh) for i in range(n)])
+        if self.o1 is not None and window is None and layer.seq_len == 0 and layer.lifecycle is Lifecycle.PLAIN:
+            m, w, sink = self.o1
+            layer.o1_begin(m, w, sink, scale=scale, auto=True)
+        if layer.o1_sealed():
+            # A sealed layer takes a position at a time (a multi-token step: one by one).
+            outs = []
+            for i in range(n):
+                layer.append(k[:, i], v[:, i])
+                outs.append(layer.attend_layer(q[i], sinks=None))
+            return np.stack(outs)
         s0 = layer.seq_len
-        layer.extend(k, v, layout="hnd")
         if n == 1:
-            out = layer.attend_layer(q[0], scale=scale, window=window, importance=isinstance(self.policy, Born))[None]
+            layer.append(k[:, 0], v[:, 0])  # the seal's boundary, while collecting
+            sealed = layer.o1_sealed()
+            out = layer.attend_layer(q[0], scale=scale, window=window, sinks=None if sealed else "layer",
+                                     importance=isinstance(self.policy, Born) and not sealed)[None]
         else:
+            layer.extend(k, v, layout="hnd")
             out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window)
-        if sealing and layer.o1_collecting():
-            layer.o1_push_q(q)
         self._bound(layer, window)
         return out
 
