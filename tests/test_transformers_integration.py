@@ -187,10 +187,11 @@ def test_born_budget_bounds_global_layers_and_positions_never_shrink(lm):
     assert out.shape == wide.shape
 
 
-def test_o1_seal_runs_inside_generate_with_memory_constant_in_context(lm):
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_o1_seal_runs_inside_generate_with_memory_constant_in_context(lm, mode):
     name, model, tok = lm
     inputs = tok(PROMPT * 6, return_tensors="pt")
-    cache = KvregCache(model, mode="f32", o1=(8, 16, 4))
+    cache = KvregCache(model, mode=mode, o1=(8, 16, 4))
     _generate(model, inputs, cache, n=4)
     glob = [layer for w, layer in zip(cache.windows, cache.sequences[0].layers) if w is None]
     assert glob and all(layer.o1_sealed() for layer in glob)
@@ -199,15 +200,6 @@ def test_o1_seal_runs_inside_generate_with_memory_constant_in_context(lm):
         for t in range(3):
             model(input_ids=inputs.input_ids[:, t:t + 1], cache=cache, use_cache=True)
     assert sum(layer.memory_bytes() for layer in glob) == before
-
-
-def test_the_seal_runs_on_a_quantized_cache_too(lm):
-    name, model, tok = lm
-    inputs = tok(PROMPT * 6, return_tensors="pt")
-    cache = KvregCache(model, mode="q8", o1=(8, 16, 4))
-    _generate(model, inputs, cache, n=3)
-    glob = [layer for w, layer in zip(cache.windows, cache.sequences[0].layers) if w is None]
-    assert glob and all(layer.o1_sealed() for layer in glob)
 
 
 def test_refusals_name_what_is_supported(lm):
