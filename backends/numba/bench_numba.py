@@ -121,17 +121,17 @@ def main() -> None:
     mb = rng.standard_normal((2048, 2048), dtype=np.float32)
 
     # bounded ring step: groups alternate windows 4096 / 1024, position 100k
-    from kvreg.bounded import BoundedRope
+    from kvreg.bounded import BoundedRope, ring_view
     from kvreg.reference import ReferenceBackend
     from kvreg_numba.backend import NumbaBackend
 
     nb, ref = NumbaBackend(), ReferenceBackend()
     W, sink = 4096, 4
-    ring_args = (q, rng.standard_normal((nkv, W, hd), dtype=np.float32),
-                 rng.standard_normal((nkv, W, hd), dtype=np.float32), 100_003,
-                 rng.standard_normal((nkv, sink, hd), dtype=np.float32),
-                 rng.standard_normal((nkv, sink, hd), dtype=np.float32),
-                 [W, 1024] * (nkv // 2), BoundedRope(), hd ** -0.5, nh)
+    ring = ring_view(rng.standard_normal((nkv, W, hd), dtype=np.float32),
+                     rng.standard_normal((nkv, W, hd), dtype=np.float32), 100_003,
+                     rng.standard_normal((nkv, sink, hd), dtype=np.float32),
+                     rng.standard_normal((nkv, sink, hd), dtype=np.float32),
+                     [W, 1024] * (nkv // 2), BoundedRope())
 
     cases = {
         "bandwidth": lambda: bandwidth._parallel_sum(big),
@@ -140,8 +140,8 @@ def main() -> None:
                                             vcol=col, vcol_set=cs, scale=0.088, imp=imp),
         "matmul": lambda: ma @ mb,
         "chunk": lambda: K.attend_chunk(qp, kp, vp, s0=s0, b=b, hpk=4, scale=0.088, imp=impp),
-        "bounded": lambda: nb.bounded_attend(*ring_args),
-        "bounded_ref": lambda: ref.bounded_attend(*ring_args),
+        "bounded": lambda: nb.bounded_attend(q, ring, scale=hd ** -0.5, num_heads=nh),
+        "bounded_ref": lambda: ref.bounded_attend(q, ring, scale=hd ** -0.5, num_heads=nh),
     }
     best = {}
     for f in cases.values():
