@@ -18,12 +18,14 @@ Each step is split by timing the calls that are actually made
 
 - **cache**: the cache's ``update`` call (``DynamicCache.update``,
   ``StaticCache.update``, ``KvregCache.update``) plus, for kvreg, the rows'
-  store into kvreg (``LayerKvCache.extend``), which the integration runs
-  inside its attention function;
+  store into kvreg and the sliding layers' trims (``LayerKvCache.append``,
+  ``extend``, ``evict``, ...: :data:`_STORE_METHODS`), which the integration
+  runs inside its attention function (transformers' sliding layers trim
+  inside ``update``);
 - **attention**: the attention function the model dispatches to through
   ``ALL_ATTENTION_FUNCTIONS`` (``"sdpa"`` for transformers' caches,
   ``"kvreg"`` for ``KvregCache``: conversion to numpy, ``attend_layer`` /
-  ``attend_chunk``, conversion back), less the ``extend`` counted in cache;
+  ``attend_chunk``, conversion back), less kvreg's store calls counted in cache;
 - **rest**: the step's wall time (forward plus the argmax) minus both.
 
 The wrappers' own cost (two clock reads and a Python call per wrapped call,
@@ -32,7 +34,7 @@ Table figures are medians over every timed step; the table's rest is the
 median step minus the median cache and the median attention, so the three
 add up to the median step; ``--json`` keeps every step's raw split (whose
 parts add up to that step exactly; ``cache_ns`` is ``update_call_ns`` plus
-``kvreg_extend_ns``).
+``kvreg_store_ns``).
 """
 
 from __future__ import annotations
@@ -122,10 +124,16 @@ class _Clock:
         return out
 
 
+#: The ``LayerKvCache`` calls that store or drop rows: what kvreg's cache
+#: does, timed as **cache** although the integration runs them inside its
+#: attention function (a call nested in another is counted once).
+_STORE_METHODS = ("append", "extend", "evict", "evict_born", "truncate_last")
+
+
 @contextmanager
 def _instrumented(clock: _Clock, cache):
     """Wrap ``cache.update``, the registered ``sdpa``/``kvreg`` attention
-    functions and ``LayerKvCache.extend`` for the duration."""
+    functions and ``LayerKvCache``'s store calls for the duration."""
     from kvreg.layer import LayerKvCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -149,19 +157,27 @@ def _instrumented(clock: _Clock, cache):
                 clock.calls += 1
         return attention
 
-    orig_extend = LayerKvCache.extend
+    depth = [0]
 
-    def extend(self, *a, **kw):
-        t0 = ns()
-        try:
-            return orig_extend(self, *a, **kw)
-        finally:
-            clock.extend += ns() - t0
+    def wrap_store(fn):
+        def store(self, *a, **kw):
+            if depth[0]:
+                return fn(self, *a, **kw)
+            depth[0] += 1
+            t0 = ns()
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                clock.extend += ns() - t0
+                depth[0] -= 1
+        return store
 
+    stores = {n: getattr(LayerKvCache, n) for n in _STORE_METHODS if hasattr(LayerKvCache, n)}
     names = [n for n in ("sdpa", "kvreg") if n in ALL_ATTENTION_FUNCTIONS]
     saved = {n: ALL_ATTENTION_FUNCTIONS._local_mapping.get(n) for n in names}
     cache.update = update
-    LayerKvCache.extend = extend
+    for n, fn in stores.items():
+        setattr(LayerKvCache, n, wrap_store(fn))
     for n in names:
         # The local mapping wins over the global one, which KvregCache's
         # constructor re-registers.
@@ -170,7 +186,8 @@ def _instrumented(clock: _Clock, cache):
         yield
     finally:
         del cache.update
-        LayerKvCache.extend = orig_extend
+        for n, fn in stores.items():
+            setattr(LayerKvCache, n, fn)
         for n in names:
             if saved[n] is None:
                 del ALL_ATTENTION_FUNCTIONS[n]
@@ -224,14 +241,14 @@ class _Runner:
             logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits
             tok = logits[:, -1].argmax(-1, keepdim=True)
             total = time.perf_counter_ns() - t0
-        update_ns, fn_ns, extend_ns = clock.take()
+        update_ns, fn_ns, store_ns = clock.take()
         # kvreg stores rows inside its attention function: count the store as cache.
-        cache_ns, attn_ns = update_ns + extend_ns, fn_ns - extend_ns
+        cache_ns, attn_ns = update_ns + store_ns, fn_ns - store_ns
         self.next = tok
         self.tokens.append(int(tok[0, 0]))
         return {"step_ns": total, "cache_ns": cache_ns, "attention_ns": attn_ns,
                 "rest_ns": total - cache_ns - attn_ns, "attention_calls": clock.calls,
-                "update_call_ns": update_ns, "kvreg_extend_ns": extend_ns}
+                "update_call_ns": update_ns, "kvreg_store_ns": store_ns}
 
     def do_prefill(self, clock: _Clock, ids) -> None:
         self.prefill = self._forward(clock, ids)
@@ -380,8 +397,8 @@ def format_report(res: dict) -> str:
                 v = r["prefill_attention_vs_sdpa"]
                 lines.append(f"target {name}: prefill attention of a {res['context']}-token chunk <= SDPA's: "
                              f"{v:.2f}x {'met' if v <= PREFILL_TARGET else 'MISSED'}")
-    lines += ["", "cache: the cache's update call (+ kvreg's LayerKvCache.extend); attention: the registered "
-              "attention function (sdpa / kvreg), less kvreg's extend; rest: step - cache - attention. "
+    lines += ["", "cache: the cache's update call (+ kvreg's LayerKvCache append/extend/evict); attention: the "
+              "registered attention function (sdpa / kvreg), less kvreg's store calls; rest: step - cache - attention. "
               "Medians over every timed step; prefill: one chunk, all layers."]
     return "\n".join(lines)
 

@@ -37,8 +37,8 @@ def test_bench_model_quick_reports_split_ratios_and_raw_timings(tmp_path, capsys
             assert st["cache_ns"] > 0 and st["attention_ns"] > 0 and st["rest_ns"] > 0
             assert st["cache_ns"] + st["attention_ns"] + st["rest_ns"] == st["step_ns"]
             assert st["attention_calls"] == layers and st["round"] == 0
-            assert st["update_call_ns"] + st["kvreg_extend_ns"] == st["cache_ns"]
-            assert (st["kvreg_extend_ns"] > 0) == name.startswith("kvreg")
+            assert st["update_call_ns"] + st["kvreg_store_ns"] == st["cache_ns"]
+            assert (st["kvreg_store_ns"] > 0) == name.startswith("kvreg")
         s = res["summary"][name]
         parts = s["median_cache_ms"] + s["median_attention_ms"] + s["median_rest_ms"]
         assert parts == pytest.approx(s["median_step_ms"], rel=1e-9)
