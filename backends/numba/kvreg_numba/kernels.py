@@ -1141,6 +1141,32 @@ def _scratch(nfloats):
     return buf
 
 
+_layer_started = False
+
+
+def _start_threading_layer() -> None:
+    """Start numba's threading layer once, leaving torch's thread count as
+    the host set it. Measured: under numba's OpenMP layer, the first launch
+    (or ``numba.set_num_threads``) set the process's OpenMP thread count,
+    which is torch's intra-op count too, to ``NUMBA_NUM_THREADS``: a host
+    that ran torch on one thread found it on two after kvreg's first decode
+    (an SDPA step then took 166 ms instead of 1.9 ms on a shared machine)."""
+    global _layer_started
+    if _layer_started:
+        return
+    import sys
+
+    from numba.np.ufunc import parallel
+
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    parallel._launch_threads()
+    numba.set_num_threads(numba.get_num_threads())
+    if before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+    _layer_started = True
+
+
 @contextmanager
 def thread_budget(nbytes):
     """Run the parallel kernels inside on kvreg's thread budget
@@ -1148,6 +1174,7 @@ def thread_budget(nbytes):
     read: one thread for small work). ``numba.set_num_threads`` is per
     calling thread, so a host's own numba code keeps its setting. The bits
     do not depend on the count (every reduction has a fixed order)."""
+    _start_threading_layer()
     want = max(1, min(threads_for(int(nbytes)), numba.config.NUMBA_NUM_THREADS))
     old = numba.get_num_threads()
     if want == old:

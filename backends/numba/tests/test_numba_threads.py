@@ -62,3 +62,25 @@ def test_a_bad_kvreg_threads_fails_the_backend_with_a_config_error(monkeypatch):
     monkeypatch.setenv("KVREG_THREADS", "lots")
     with pytest.raises(kvreg.ConfigError, match="KVREG_THREADS"):
         NumbaBackend()
+
+
+def test_the_first_decode_leaves_torchs_thread_count_as_the_host_set_it():
+    # numba's OpenMP layer set the process's OpenMP thread count (torch's
+    # intra-op count) as it started; a fresh process shows it.
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    code = (
+        "import torch, numpy as np, kvreg\n"
+        "torch.set_num_threads(1)\n"
+        "c = kvreg.LayerKvCache(8, 128, backend='numba')\n"
+        "k = np.ones((4096, 8, 128), np.float32); c.extend(k, k)\n"
+        "c.attend_layer(np.ones((32, 128), np.float32))\n"
+        "print(torch.get_num_threads())\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KVREG_THREADS"}
+    env["KVREG_THREADS"] = "2"  # a budget above torch's: the kernel may use two, torch keeps one
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "1"
