@@ -86,9 +86,13 @@ def _backend_lines() -> list[str]:
     be, err = _start_backend()
     if be is None:
         return [f"kvreg backend: {_STATE['name']} (device {_STATE['device'] or 'default'}): UNAVAILABLE: {err}"]
-    native = type(be).native_kernels()
+    caps = type(be).capabilities()
+    native = caps.pop("native_kernels")
+    modes = caps.pop("native_modes")
+    flags = [k for k, v in caps.items() if v]
     return [f"kvreg backend: {be.name}, device: {be.device}",
-            f"kvreg native kernels: {', '.join(native) if native else 'none (inherits the reference)'}"]
+            f"kvreg native kernels: {', '.join(native) if native else 'none (inherits the reference)'}",
+            f"kvreg declares: native KV modes {', '.join(modes) or 'none'}; {', '.join(flags) or 'no flags'}"]
 
 
 def pytest_report_header(config):
