@@ -1,5 +1,5 @@
 """Measured accuracy of each KV storage mode on real models: the one place
-these figures live (``kvreg info`` prints them; the README quotes them).
+these figures live (``kvreg info`` prints them; docs/formats.md and the README quote them).
 
 These are measurements of ``kvreg eval`` on CPython's ``textwrap.py``
 (1024 tokens, prefix 256): the mean KL divergence of the next-token

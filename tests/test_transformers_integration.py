@@ -143,7 +143,7 @@ def test_a_half_model_gets_its_own_dtype_by_default(lm, monkeypatch):
 
 # Mean KL over 40 teacher-forced tokens after a 48-token prompt: loose bounds
 # a broken format misses by orders of magnitude (kvreg eval measures the
-# real figures, README).
+# real figures: docs/formats.md).
 _MODE_KL_BOUND = {"f16": 1e-4, "bf16": 2e-3, "q8": 1e-2, "q4": 1e-1}
 
 

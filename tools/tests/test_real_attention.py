@@ -146,7 +146,7 @@ def med(table, method, w, key="rel_median"):
 
 
 # Measured on the shipped capture (2048 rows, layers 1 and 3 of the 4-layer
-# model, all heads pooled), sinks 4, m 16, ndec 16 (README, "real data"),
+# model, all heads pooled), sinks 4, m 16, ndec 16 (docs/figures.md, "real data"),
 # Nyström with its default m heavy rows (far rows kept exact):
 #
 #   w 64:  median   nystrom 0.0007  sinkwin 0.0031  pool_m 0.0031  stream 0.0003
@@ -227,10 +227,10 @@ def test_cli_bench_o1_real(capsys, tmp_path):
 
 
 def test_nystrom_beats_sinks_window_and_pooling_on_the_default_real_report():
-    """The README's real-data table (``kvreg bench o1 --real``, ndec 32): the
+    """The real-data table of docs/figures.md (``kvreg bench o1 --real``, ndec 32): the
     median over all reads is below sinks + window and at most 0.9x pooling
     in every row (on the far-heavy reads alone two m-16 rows do not reach
-    0.9x, as the README says)."""
+    0.9x, as docs/figures.md says)."""
     rows = o1_real_table()
     configs = {(r["context"], r["window"], r["m"]) for r in rows}
     assert len(configs) == 8
