@@ -1,0 +1,98 @@
+"""kvreg inside a host: the small model's whole decode call, extend's layouts,
+and a decode step beside a competing busy process (issue 17's ratios, each
+measured in one process against its own reference)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+
+from . import common
+
+#: A small model's geometry (SmolLM2-135M): 9 Q / 3 KV heads, hd 64.
+SMALL = dict(nh=9, nkv=3, hd=64)
+
+
+class SmallModelDecodeCall:
+    """``append`` + ``attend_layer`` of one token at SmolLM2's geometry over
+    1k rows, against reading its K/V bytes at the machine's stream bandwidth
+    plus 10 µs (issue 17's bound: at most 1.5x)."""
+
+    params = [common.backend_names()]
+    param_names = ["backend"]
+
+    def setup(self, name):
+        self.layer = common.layer(name, 1024, nkv=SMALL["nkv"], hd=SMALL["hd"])
+        rng = np.random.default_rng(5)
+        self.q = rng.standard_normal((SMALL["nh"], SMALL["hd"])).astype(np.float32)
+        self.kv = rng.standard_normal((SMALL["nkv"], SMALL["hd"])).astype(np.float32)
+        self.step()
+
+    def step(self):
+        self.layer.append(self.kv, self.kv)
+        self.layer.attend_layer(self.q)
+        self.layer.truncate_last(1)  # the layer stays at 1k rows
+
+    def time_append_attend(self, name):
+        self.step()
+
+    def track_vs_bytes_plus_10us(self, name):
+        t = common.best_time(self.step)
+        floor = self.layer.memory_bytes() / (common.stream_bandwidth() * 1e9) + 10e-6
+        return t / floor
+
+    track_vs_bytes_plus_10us.unit = "x (bytes at stream bandwidth + 10 us)"
+
+
+class ExtendLayouts:
+    """A 512-row prefill chunk stored from token-major and head-major blocks
+    (head-major is the storage's layout: no copy before the store)."""
+
+    params = [["nhd", "hnd"]]
+    param_names = ["layout"]
+
+    def setup(self, layout):
+        import kvreg
+
+        rng = np.random.default_rng(6)
+        k = rng.standard_normal((512, common.NUM_KV_HEADS, common.HEAD_DIM)).astype(np.float32)
+        self.k = np.ascontiguousarray(k.transpose(1, 0, 2)) if layout == "hnd" else k
+        self.layer = kvreg.LayerKvCache(common.NUM_KV_HEADS, common.HEAD_DIM, "f32", "reference")
+        self.layer.extend(self.k, self.k, layout=layout)
+
+    def time_extend(self, layout):
+        self.layer.truncate_last(512)
+        self.layer.extend(self.k, self.k, layout=layout)
+
+
+_BUSY = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
+
+
+class DecodeBesideABusyProcess:
+    """A decode step (4k rows, 32/8 heads, hd 128) while another process
+    spins on the same cores, over the same step on a quiet machine (issue
+    17: at most 1.5x with kvreg's default thread budget)."""
+
+    params = [common.backend_names()]
+    param_names = ["backend"]
+    timeout = 300
+
+    def setup(self, name):
+        self.layer = common.layer(name, 4096)
+        self.q = common.queries(1)[0]
+        self.layer.attend_layer(self.q)
+
+    def track_busy_over_quiet(self, name):
+        step = lambda: self.layer.attend_layer(self.q)  # noqa: E731
+        quiet = common.best_time(step)
+        busy = subprocess.Popen([sys.executable, "-c", _BUSY])
+        try:
+            loaded = common.best_time(step)
+        finally:
+            busy.kill()
+            busy.wait()
+        return loaded / quiet
+
+    track_busy_over_quiet.unit = "x (busy neighbour / quiet)"
