@@ -96,3 +96,27 @@ class DecodeBesideABusyProcess:
         return loaded / quiet
 
     track_busy_over_quiet.unit = "x (busy neighbour / quiet)"
+
+
+def main() -> None:
+    """Print the three figures once (``cd asv_bench && python -m benchmarks.host``)."""
+    import timeit
+
+    for name in common.backend_names():
+        if name not in ("reference", "numba"):
+            continue
+        b = SmallModelDecodeCall()
+        b.setup(name)
+        d = DecodeBesideABusyProcess()
+        d.setup(name)
+        print(f"{name:10s} small call / (bytes + 10 us) {b.track_vs_bytes_plus_10us(name):6.2f}x   "
+              f"busy / quiet {d.track_busy_over_quiet(name):5.2f}x")
+    for layout in ExtendLayouts.params[0]:
+        e = ExtendLayouts()
+        e.setup(layout)
+        t = min(timeit.repeat(lambda: e.time_extend(layout), number=20, repeat=3)) / 20
+        print(f"extend 512 rows, {layout}: {t * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
