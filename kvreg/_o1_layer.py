@@ -122,11 +122,11 @@ class O1Mixin:
             raise ShapeError(f"rect must be an O1Rect, got {rect!r}")
         if self.bounded is not None:
             raise StateError("a bounded-anchor layer cannot take an O(1) overlay")
-        self._o1.scale = float(V.scale(scale) if scale is not None else self.default_scale)
+        scale = float(V.scale(scale) if scale is not None else self.default_scale)
+        auto = V.flag("auto", auto)
         heavy = None if heavy is None else int(heavy)
         self._o1 = O1Overlay(O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy),
-                             params=(int(m), int(w), int(sink), rect, heavy), scale=self._o1.scale,
-                             auto=V.flag("auto", auto))
+                             params=(int(m), int(w), int(sink), rect, heavy), scale=scale, auto=auto)
         self._lifecycle = Lifecycle.COLLECTING
 
     def o1_push_q(self, q_all) -> None:

@@ -154,7 +154,7 @@ def kv_layout(k, v, nkv: int, layout: str | None) -> str | None:
     says when the other is ambiguous (None when both are: float_block refuses)."""
     if layout is not None:
         return layout
-    got = {_layout_of(np.shape(_from_torch(x)), nkv) for x in (k, v)} - {None}
+    got = {_layout_of(tuple(np.shape(x)), nkv) for x in (k, v)} - {None}  # a torch.Size is a tuple
     return got.pop() if len(got) == 1 else None
 
 

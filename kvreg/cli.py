@@ -45,19 +45,14 @@ def _cmd_info(args) -> int:
         except Exception as exc:  # noqa: BLE001
             devices = [f"unavailable: {exc}"]
         try:
-            caps = cls.capabilities()
+            caps = cls.capability_lines()
         except Exception as exc:  # noqa: BLE001
-            caps = {"native_kernels": [failure(exc)]}
+            caps = [f"native kernels: {failure(exc)}"]
         takes = ", takes KVREG_DEVICE" if registry.takes_devices(cls) else ""
         print(f"  {name} (priority {cls.priority}{', auto' if cls.auto else ''}{takes})")
         print(f"    devices: {'; '.join(devices) if devices else 'none'}")
-        native = caps.pop("native_kernels")
-        print(f"    native kernels: {', '.join(native) if native else 'none (inherits the reference)'}")
-        if "native_modes" in caps:
-            modes = caps.pop("native_modes")
-            print(f"    native KV modes: {', '.join(modes) if modes else 'none (the reference reads every mode)'}")
-            flags = [k for k, v in caps.items() if v]
-            print(f"    declares: {', '.join(flags) if flags else 'nothing beyond the kernels'}")
+        for line in caps:
+            print(f"    {line}")
     for name, err in registry.load_errors().items():
         print(f"  {name}: FAILED TO LOAD: {err}")
     _print_kv_modes(failure)

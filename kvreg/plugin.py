@@ -272,6 +272,16 @@ class Backend(abc.ABC):
             "device_resident": cls.device_resident,
         }
 
+    @classmethod
+    def capability_lines(cls) -> list[str]:
+        """The declarations as ``kvreg info`` and the conformance header print them."""
+        caps = cls.capabilities()
+        native, modes = caps.pop("native_kernels"), caps.pop("native_modes")
+        flags = [k for k, v in caps.items() if v]
+        return [f"native kernels: {', '.join(native) or 'none (inherits the reference)'}",
+                f"native KV modes: {', '.join(modes) or 'none (the reference reads every mode)'}",
+                f"declares: {', '.join(flags) or 'nothing beyond the kernels'}"]
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
 

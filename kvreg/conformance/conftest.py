@@ -86,13 +86,7 @@ def _backend_lines() -> list[str]:
     be, err = _start_backend()
     if be is None:
         return [f"kvreg backend: {_STATE['name']} (device {_STATE['device'] or 'default'}): UNAVAILABLE: {err}"]
-    caps = type(be).capabilities()
-    native = caps.pop("native_kernels")
-    modes = caps.pop("native_modes")
-    flags = [k for k, v in caps.items() if v]
-    return [f"kvreg backend: {be.name}, device: {be.device}",
-            f"kvreg native kernels: {', '.join(native) if native else 'none (inherits the reference)'}",
-            f"kvreg declares: native KV modes {', '.join(modes) or 'none'}; {', '.join(flags) or 'no flags'}"]
+    return [f"kvreg backend: {be.name}, device: {be.device}"] + [f"kvreg {line}" for line in type(be).capability_lines()]
 
 
 def pytest_report_header(config):
