@@ -4,6 +4,7 @@
 load when selected.
 """
 
+from .batch import attend_batch
 from .cache import EvictionPolicy, KvCache
 from .errors import (BackendError, ConfigError, KvregError, SealError, ShapeError, StateError,
                      WireError)
@@ -17,7 +18,7 @@ from .wire import WIRE_MAGIC, WIRE_VERSION, WireKind
 __version__ = "0.1.0"
 
 __all__ = [
-    "BackendError", "ConfigError", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
+    "BackendError", "ConfigError", "attend_batch", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
     "KvregError", "LayerKvCache", "Lifecycle", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
     "WireError", "WireKind", "backends", "get_backend", "get_num_threads", "refresh", "set_num_threads",
     "__version__",

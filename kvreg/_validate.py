@@ -125,6 +125,14 @@ def heads(name: str, x, hd: int) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def batch_heads(name: str, x, batch: int, hd: int) -> np.ndarray:
+    """``[batch, nheads, hd]`` -> float32 (the queries of a batched decode)."""
+    a = _as_f32(name, x)
+    if a.ndim != 3 or a.shape[0] != batch or a.shape[2] != hd or a.shape[1] == 0:
+        raise ShapeError(f"{name} has shape {a.shape}; expected [{batch} sequences, nheads, {hd}]")
+    return np.ascontiguousarray(a)
+
+
 def array(name: str, x, shape: tuple[int, ...]) -> np.ndarray:
     a = _as_f32(name, x)
     size = int(np.prod(shape))

@@ -500,9 +500,20 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         the layer's learned sinks (None disables); ``importance`` accumulates
         the probabilities into the layer's importance (what Born eviction
         reads). Returns ``[num_heads, hd]``; equals ``attend_group`` per group.
+        :func:`kvreg.attend_batch` is this call for many sequences at once.
         """
         q = V.heads("q_all", q_all, self.head_dim)
-        nh = q.shape[0]
+        args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
+        if self._lifecycle is Lifecycle.SEALED:
+            return self._o1_auto_attend(q)
+        out = self._rotated_attend(self.backend.attend_layer, q, self._st, **args)
+        self._o1_record(q)
+        return out
+
+    def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
+        """``attend_layer``'s arguments checked and resolved for the kernel
+        (``scale``, ``window``, ``softcap``, ``sinks``, ``imp``); refuses what
+        a sealed layer cannot take. Changes nothing."""
         if nh % self.num_kv_heads:
             raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         if window is not None:
@@ -513,15 +524,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if V.flag("importance", importance) else None
         softcap = V.softcap(softcap)
-        if self._lifecycle is Lifecycle.SEALED:
-            if window is not None or sinks is not None or softcap:
-                raise StateError("attend_layer on a sealed layer reads its sinks, window and far field: "
-                                 "window, learned sinks and softcap do not apply (importance has no rows)")
-            return self._o1_auto_attend(q)
-        out = self._rotated_attend(self.backend.attend_layer, q, self._st, scale=scale, window=window,
-                                   softcap=softcap, sinks=sinks, imp=imp)
-        self._o1_record(q)
-        return out
+        if self._lifecycle is Lifecycle.SEALED and (window is not None or sinks is not None or softcap):
+            raise StateError("attend_layer on a sealed layer reads its sinks, window and far field: "
+                             "window, learned sinks and softcap do not apply (importance has no rows)")
+        return dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
                      window: int | None = None) -> np.ndarray:

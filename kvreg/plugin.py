@@ -25,7 +25,8 @@ Numerics contract (the conformance suite checks it):
 * exact class, bit for bit on every backend: ``quantize_rows``,
   ``freeze_field``, ``gather_rows``;
 * within one backend, bit for bit: ``attend_group`` of a group == each head
-  alone; ``attend_layer`` == ``attend_group`` per KV group; scoring ``[first,
+  alone; ``attend_layer`` == ``attend_group`` per KV group; ``attend_batch``
+  == ``attend_layer`` per sequence; scoring ``[first,
   n)`` == the ``-inf``-masked full row; a trimmed layer == the untrimmed one;
   ``upto=i`` == the call when the layer held ``i`` rows; the same bits at
   any thread count and compile-cache state;
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import abc
 from collections import namedtuple
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -53,6 +55,7 @@ if TYPE_CHECKING:
 KERNELS = (
     "attend_group",
     "attend_layer",
+    "attend_batch",
     "attend_chunk",
     "quantize_rows",
     "freeze_field",
@@ -308,6 +311,19 @@ class Backend(abc.ABC):
         group ``g`` reads Q heads ``[g*hpk, (g+1)*hpk)`` with ``first =
         max(0, lens[g] - window)`` (``window`` None or 0: all rows). Must equal
         :meth:`attend_group` per group bit for bit."""
+
+    @abc.abstractmethod
+    def attend_batch(self, q: np.ndarray, kvs: Sequence[KvView], *, scale: float, window: int | None = None,
+                     softcap: float = 0.0, sinks: np.ndarray | None = None,
+                     imps: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+        """One layer of ``B`` sequences in one call (batched decode): ``q [B,
+        nh, hd]`` float32, ``kvs`` the ``B`` sequences' views of that layer
+        (one mode, ``num_kv_heads`` and ``head_dim``; their lengths differ),
+        ``sinks [B, nh]`` or None, ``imps`` one accumulator (or None) per
+        sequence, or None. Returns ``[B, nh, hd]`` float32 whose row ``b``
+        equals :meth:`attend_layer` of ``q[b]`` over ``kvs[b]`` (with
+        ``sinks[b]``, ``imps[b]``) bit for bit. A sequence with no rows
+        answers zeros."""
 
     @abc.abstractmethod
     def attend_chunk(self, q: np.ndarray, kv: KvView, *, s0: int, b: int, hpk: int, scale: float,

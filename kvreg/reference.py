@@ -195,6 +195,13 @@ class ReferenceBackend(Backend):
             )
         return out
 
+    def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
+        out = np.zeros(q.shape, np.float32)
+        for b, kv in enumerate(kvs):
+            out[b] = self.attend_layer(q[b], kv, scale=scale, window=window, softcap=softcap,
+                                       sinks=None if sinks is None else sinks[b], imp=None if imps is None else imps[b])
+        return out
+
     def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
         n = s0 + b
         nkv = kv.num_kv_heads
