@@ -5,7 +5,7 @@ load when selected.
 """
 
 from .batch import attend_batch
-from .cache import EvictionPolicy, KvCache
+from .cache import EvictionPolicy, KvCache, resident_bytes
 from .errors import (BackendError, ConfigError, KvregError, SealError, ShapeError, StateError,
                      WireError)
 from .layer import LayerKvCache
@@ -20,6 +20,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BackendError", "ConfigError", "attend_batch", "EvictionPolicy", "KV_COL_WARMUP", "KV_K_GROUP", "KvCache", "KvMode",
     "KvregError", "LayerKvCache", "Lifecycle", "SealError", "ShapeError", "StateError", "WIRE_MAGIC", "WIRE_VERSION",
-    "WireError", "WireKind", "backends", "get_backend", "get_num_threads", "refresh", "set_num_threads",
+    "WireError", "WireKind", "backends", "get_backend", "get_num_threads", "refresh", "resident_bytes", "set_num_threads",
     "__version__",
 ]

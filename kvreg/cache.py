@@ -28,6 +28,31 @@ class Born:
     sink: int = 4
 
 
+def resident_bytes(*caches) -> int:
+    """Bytes of KV state the given sequences hold together (each a
+    :class:`KvCache`, a :class:`LayerKvCache` or an iterable of them), rows
+    shared between forks counted once: what the process holds for them."""
+    total, seen = 0, set()
+    stack = list(caches)
+    while stack:
+        c = stack.pop()
+        if isinstance(c, LayerKvCache):
+            total += c.memory_bytes()
+            st = c.storage
+            if st.shares_rows():
+                key = id(st.rows_identity)
+                if key in seen:
+                    total -= st.stored_bytes()
+                seen.add(key)
+        elif isinstance(c, KvCache):
+            stack.extend(c.layers)
+        elif hasattr(c, "__iter__") and not isinstance(c, (str, bytes)):
+            stack.extend(c)
+        else:
+            raise ConfigError(f"resident_bytes takes KvCache, LayerKvCache or iterables of them, got {type(c).__name__}")
+    return total
+
+
 class EvictionPolicy:
     """``EvictionPolicy.Recent`` / ``EvictionPolicy.Born(sink=4)`` (the seed's enum)."""
 
@@ -75,7 +100,19 @@ class KvCache:
                 layer.clear()
 
     def total_memory_bytes(self) -> int:
+        """Bytes of state this sequence holds (rows shared with a fork included:
+        :func:`resident_bytes` counts them once across sequences)."""
         return sum(layer.memory_bytes() for layer in self.layers)
+
+    def fork(self) -> "KvCache":
+        """A new sequence holding this one's rows copy-on-write, every layer
+        :meth:`LayerKvCache.fork`: ``N`` forks of a prompt hold its rows once
+        until each writes its own."""
+        with self._all_layers_locked():
+            new = object.__new__(KvCache)
+            new.__dict__.update(self.__dict__)
+            new.layers = [layer.fork() for layer in self.layers]
+            return new
 
     def recurrent_state_bytes(self) -> int:
         """Bytes of linear-core recurrent state (scratch included)."""

@@ -7,6 +7,7 @@ first and mutates only after: a refused call leaves the layer as it was.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import threading
@@ -248,9 +249,41 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return (self._st.stored_bytes() + self.linear_state.size * 4
                 + self.o1_memory_bytes() + self.bounded_state_bytes())
 
+    def shared_bytes(self) -> int:
+        """Of :meth:`memory_bytes`, the stored rows this layer shares with a
+        live fork (held once for all of them; 0 when it holds its own)."""
+        return self._st.stored_bytes() if self._st.shares_rows() else 0
+
     def reserved_bytes(self) -> int:
         """Bytes of capacity the row storage holds (stored rows + room to grow)."""
         return self._st.reserved_bytes()
+
+    # ── copies ──
+
+    def fork(self) -> "LayerKvCache":
+        """A new sequence holding this one's rows, copy-on-write: the rows
+        are held once until either side writes them (append, truncate, a
+        trim, eviction, the seal, clear), when the writer copies them, so the
+        other keeps its bits. Everything else (lengths, importance, sinks,
+        the seal's state, a bounded ring) is the fork's own. It answers as a
+        deep copy does, bit for bit, on the same backend."""
+        return self._copy({}, share=True)
+
+    def __deepcopy__(self, memo) -> "LayerKvCache":
+        # The backend (compiled programs, device contexts) is shared, the lock is new.
+        return self._copy(memo, share=False)
+
+    def _copy(self, memo: dict, *, share: bool) -> "LayerKvCache":
+        with self._lock:
+            st = self._st.fork()
+            if not share:
+                st._own()
+            new = object.__new__(type(self))
+            memo.update({id(self): new, id(self.backend): self.backend, id(self._st): st,
+                         id(self._lock): threading.RLock()})
+            for name, val in vars(self).items():
+                setattr(new, name, copy.deepcopy(val, memo))
+            return new
 
     def set_linear_wire_allowed(self, allowed: bool) -> None:
         """Bind this layer to the legacy-wire policy (delta layers refuse it)."""

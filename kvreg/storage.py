@@ -37,7 +37,10 @@ dominates the output error of a q8 cache.
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
+import weakref
 from collections import deque
 
 import numpy as np
@@ -63,8 +66,36 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return c
 
 
+class _Rows:
+    """The identity of a set of row arrays, and the storages holding them
+    (more than one after :meth:`LayerStorage.fork`). Views name it as their
+    ``owner``: forks at one version read the same rows, so a device mirror
+    keyed on it serves them all."""
+
+    __slots__ = ("holders", "__weakref__")
+
+    def __init__(self, holder: "LayerStorage"):
+        self.holders = weakref.WeakSet([holder])
+
+
+def _writes(method):
+    """A method that writes row arrays: rows shared with a fork are copied
+    first (copy on write), so the fork keeps its bits."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if len(self._rows.holders) > 1:
+            self._own()
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 class LayerStorage:
-    """Rows of one layer in the layout of docs/kernels.md."""
+    """Rows of one layer in the layout of docs/kernels.md.
+
+    :meth:`fork` shares the row arrays (``KV_ARRAYS``) copy-on-write: the
+    first write of any holder while others hold them copies them (once);
+    counts, importance and the change log are the fork's own from the start.
+    """
 
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int = 0):
         self.num_kv_heads = num_kv_heads
@@ -92,6 +123,7 @@ class LayerStorage:
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
         self._view: KvView | None = None
         self._blocks: tuple | None = None  # the view's fields up to its arrays (None: rebuild)
+        self._rows = _Rows(self)
         self.b8 = self.b4 = None
         self.t8k = self.t8ks = self.t8v = self.t8vs = None
         #: Whether K (V) rows, and so the queries (outputs), live in the
@@ -152,7 +184,7 @@ class LayerStorage:
         if v is not None and v.version == self.version:
             return v
         if self._blocks is None:  # arrays (re)allocated since the last view
-            self._blocks = (self, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
+            self._blocks = (self._rows, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
                             self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
         counts = tuple(None if a is None else _frozen(a) for a in (getattr(self, n) for n in KV_COUNTS))
         v = self._view = KvView._make(self._blocks + counts + (self.version, self.reset_version, self._log_start,
@@ -168,6 +200,39 @@ class LayerStorage:
         st.lens[:] = k.shape[1]
         st._touch(arrays=True)
         return st
+
+    # ── forks ──
+
+    def fork(self) -> "LayerStorage":
+        """A storage holding the same rows, sharing the row arrays until
+        either side writes (copy on write: :func:`_writes`)."""
+        new = copy.copy(self)   # every attribute shared, then the small mutable ones made its own
+        for name, val in vars(self).items():
+            if isinstance(val, np.ndarray) and name not in KV_ARRAYS:
+                setattr(new, name, val.copy())
+        new._floors = deque(self._floors, maxlen=_FLOOR_LOG)
+        self._rows.holders.add(new)
+        return new
+
+    def shares_rows(self) -> bool:
+        """Whether another live storage holds these row arrays (a fork)."""
+        return len(self._rows.holders) > 1
+
+    @property
+    def rows_identity(self) -> _Rows:
+        """Storages with the same identity hold the same row arrays."""
+        return self._rows
+
+    def _own(self) -> None:
+        """Take a private copy of the shared row arrays (before a write)."""
+        self._rows.holders.discard(self)
+        for name in KV_ARRAYS:
+            a = getattr(self, name)
+            if a is not None:
+                setattr(self, name, a.copy())
+        self._rows = _Rows(self)
+        self._view = None
+        self._touch(arrays=True)
 
     # ── versions ──
 
@@ -223,6 +288,7 @@ class LayerStorage:
         make = np.zeros if self.window else np.empty
         return {n: make(*shapes[n]) for n in self.block_names()}
 
+    @_writes
     def reserve(self, rows: int) -> None:
         """Capacity for ``rows`` rows per head, taken once (doubling)."""
         if rows > self.cap:
@@ -266,6 +332,7 @@ class LayerStorage:
 
     # ── mutations (validated by the caller) ──
 
+    @_writes
     def append(self, rows: dict, heads: np.ndarray, n: int, exact: dict | None = None) -> None:
         """Write ``n`` rows to each of ``heads``: ``rows[name]`` is
         ``[len(heads), n, ...]`` for every block of the mode; ``exact``
@@ -304,6 +371,7 @@ class LayerStorage:
         self.seq_len = end
         self._touch()
 
+    @_writes
     def truncate(self, d: int) -> None:
         """Drop the last ``d`` rows of every head (generation kept)."""
         self._zero_rows_past(np.maximum(self.lens - d, 0))
@@ -340,6 +408,7 @@ class LayerStorage:
                 for name in ("t8k", "t8ks", "t8v", "t8vs"):
                     getattr(self, name)[h, int(self.b8[h] - self.b4[h]):] = 0
 
+    @_writes
     def drop_front(self, d: int) -> None:
         """Drop the first ``d`` rows of every head (fewer for a shorter head)."""
         for name in self.block_names():
@@ -368,6 +437,7 @@ class LayerStorage:
         self.generation = next_generation()
         self._rewritten()
 
+    @_writes
     def gather(self, kept: np.ndarray, gather_rows) -> None:
         """Keep rows ``kept`` (ascending) of every head, each storage on its own.
 
@@ -403,6 +473,7 @@ class LayerStorage:
         self.generation = next_generation()
         self._rewritten()
 
+    @_writes
     def clear(self) -> None:
         """Forget every row and the q8 field; capacity is kept for reuse."""
         self._zero_rows_past(np.zeros_like(self.lens))
@@ -422,6 +493,7 @@ class LayerStorage:
         self.generation = next_generation()
         self._rewritten()
 
+    @_writes
     def release(self) -> None:
         """Clear and give the capacity back (an O(1) seal's memory claim)."""
         self.clear()
@@ -431,6 +503,7 @@ class LayerStorage:
         self._imp = np.zeros(0, dtype=np.float32)
         self._touch(arrays=True)
 
+    @_writes
     def freeze(self, freeze_field) -> None:
         """The 2f freeze: per head and quantized side, ``freeze_field(q, s,
         group=...) -> (col, q2, s2)`` (a backend kernel) gives the field and the
@@ -458,6 +531,7 @@ class LayerStorage:
                     x[h, : self.xlen[h]] /= col
         self._rewritten()
 
+    @_writes
     def load(self, blocks: dict, lens: np.ndarray, seq_len: int, imp: np.ndarray,
              xlen: np.ndarray | None = None, head_blocks: dict | None = None) -> None:
         """Install an imported record into this (empty) storage: ``blocks[name]``
@@ -530,6 +604,7 @@ class LayerStorage:
                     f"(b4 {b4.tolist()}, b8 {b8.tolist()}, rows {lens.tolist()})")
         return None
 
+    @_writes
     def push_window(self, side: str, heads: np.ndarray, x: np.ndarray) -> tuple[tuple, np.ndarray]:
         """q8: ``n`` new float32 rows per head (``[len(heads), n, hd]``) join
         side ``side``'s float16 window; returns ``((head, position) index
@@ -554,6 +629,7 @@ class LayerStorage:
             rows.append(f[:out].astype(np.float32))
         return (np.concatenate(hs), np.concatenate(ps)), np.concatenate(rows)
 
+    @_writes
     def write_quantized(self, side: str, where: tuple, q: np.ndarray, s: np.ndarray) -> None:
         """Integer rows (and their scales) of side ``side`` at ``where``, a
         ``(head, position)`` index pair (:meth:`push_window`)."""
@@ -561,12 +637,14 @@ class LayerStorage:
         getattr(self, names[0])[where] = q
         getattr(self, names[1])[where] = s if side == "k" else s[:, 0]
 
+    @_writes
     def advance_window(self, heads: np.ndarray, n: int) -> None:
         """The window bound after ``n`` rows joined ``heads`` (before the append counts them)."""
         fh = self.lens[heads] - self.b8[heads]
         self.b8[heads] += np.maximum(fh + n - self.window, 0)
         self._touch()
 
+    @_writes
     def append_tiered(self, rk: np.ndarray, rv: np.ndarray, heads: np.ndarray, n: int) -> None:
         """Tier ``n`` rotated rows per head (``[len(heads), n, hd]`` float32) of
         ``heads`` in; the caller then counts them (:meth:`append`)."""
