@@ -37,13 +37,11 @@ def resident_bytes(*caches) -> int:
     while stack:
         c = stack.pop()
         if isinstance(c, LayerKvCache):
-            total += c.memory_bytes()
-            st = c.storage
-            if st.shares_rows():
-                key = id(st.rows_identity)
-                if key in seen:
-                    total -= st.stored_bytes()
-                seen.add(key)
+            total += c.memory_bytes() - c.shared_bytes()
+            shared = c.storage.shared_rows()
+            if shared is not None and id(shared[0]) not in seen:
+                seen.add(id(shared[0]))
+                total += shared[1]
         elif isinstance(c, KvCache):
             stack.extend(c.layers)
         elif hasattr(c, "__iter__") and not isinstance(c, (str, bytes)):

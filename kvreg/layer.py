@@ -252,7 +252,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     def shared_bytes(self) -> int:
         """Of :meth:`memory_bytes`, the stored rows this layer shares with a
         live fork (held once for all of them; 0 when it holds its own)."""
-        return self._st.stored_bytes() if self._st.shares_rows() else 0
+        return self._st.shared_block_bytes()
 
     def reserved_bytes(self) -> int:
         """Bytes of capacity the row storage holds (stored rows + room to grow)."""
@@ -275,9 +275,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
 
     def _copy(self, memo: dict, *, share: bool) -> "LayerKvCache":
         with self._lock:
-            st = self._st.fork()
-            if not share:
-                st._own()
+            st = self._st.fork() if share else self._st.copy()
             new = object.__new__(type(self))
             memo.update({id(self): new, id(self.backend): self.backend, id(self._st): st,
                          id(self._lock): threading.RLock()})

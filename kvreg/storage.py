@@ -45,6 +45,7 @@ from collections import deque
 
 import numpy as np
 
+from . import _snapshot
 from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
 from .plugin import KV_ARRAYS, KV_COUNTS, KvView, readonly
 from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates
@@ -124,6 +125,7 @@ class LayerStorage:
         self._view: KvView | None = None
         self._blocks: tuple | None = None  # the view's fields up to its arrays (None: rebuild)
         self._rows = _Rows(self)
+        self._snap: _snapshot.Snapshot | None = None   # the snapshot its row blocks map (forks)
         self.b8 = self.b4 = None
         self.t8k = self.t8ks = self.t8v = self.t8vs = None
         #: Whether K (V) rows, and so the queries (outputs), live in the
@@ -203,33 +205,97 @@ class LayerStorage:
 
     # ── forks ──
 
-    def fork(self) -> "LayerStorage":
-        """A storage holding the same rows, sharing the row arrays until
-        either side writes (copy on write: :func:`_writes`)."""
+    def copy(self) -> "LayerStorage":
+        """A storage holding its own copy of every row (a deep copy)."""
+        new = self.fork(pages=False)
+        new._own()
+        return new
+
+    def fork(self, pages: bool = True) -> "LayerStorage":
+        """A storage holding the same rows, sharing them copy-on-write.
+
+        Large row blocks are shared at the page level (:mod:`kvreg._snapshot`:
+        each holder maps one frozen copy privately, so forks decoding on
+        keep sharing every row nobody rewrote); small ones, or where the
+        platform cannot, share the arrays until either side writes."""
         new = copy.copy(self)   # every attribute shared, then the small mutable ones made its own
         for name, val in vars(self).items():
             if isinstance(val, np.ndarray) and name not in KV_ARRAYS:
                 setattr(new, name, val.copy())
         new._floors = deque(self._floors, maxlen=_FLOOR_LOG)
+        if pages and _snapshot.AVAILABLE and self.cap and self._block_bytes() >= _snapshot.MIN_BYTES:
+            for name in KV_ARRAYS:   # the per-head blocks (windows, tiers, fields, exact rows): small, copied
+                a = getattr(self, name)
+                if a is not None and name not in self.block_names():
+                    setattr(new, name, a.copy())
+            try:
+                snap = self._snap if self._snap is not None and self._snap.version == self.version else self._snapshot()
+                new._install(snap)
+            except OSError:   # out of file descriptors or mappings: a copy of its own
+                new._snap = None
+                for name in KV_ARRAYS:
+                    a = getattr(self, name)
+                    setattr(new, name, None if a is None else a.copy())
+                new.cap, new._blocks, new._view = self.cap, None, None
         self._rows.holders.add(new)
         return new
 
-    def shares_rows(self) -> bool:
-        """Whether another live storage holds these row arrays (a fork)."""
-        return len(self._rows.holders) > 1
+    def _block_bytes(self) -> int:
+        return sum(getattr(self, n).nbytes for n in self.block_names())
 
-    @property
-    def rows_identity(self) -> _Rows:
-        """Storages with the same identity hold the same row arrays."""
-        return self._rows
+    def _snapshot(self) -> "_snapshot.Snapshot":
+        """Move this storage's row blocks into a fresh snapshot it maps (a
+        new capacity: room for a fork to decode on)."""
+        n = int(self.lens.max(initial=0))
+        cap = max(self.cap, 2 * n, n + 4096)
+        snap = _snapshot.Snapshot({b: getattr(self, b) for b in self.block_names()}, self.lens, cap, 0,
+                                  int(self.lens.sum()) * self._row_block_bytes())
+        self._install(snap)
+        self._touch(arrays=True)          # a new capacity: mirrors re-read the layout
+        snap.version = self.version
+        return snap
+
+    def _install(self, snap: "_snapshot.Snapshot") -> None:
+        for name, a in snap.map().items():
+            setattr(self, name, a)
+        self.cap = snap.specs[0][2][1]
+        self._snap = snap
+        self._blocks = self._view = None
+
+    def shared_block_bytes(self) -> int:
+        """Bytes of stored rows this storage shares with forks: all of them
+        while arrays are shared, else the rows still read from its snapshot
+        (to the page: a holder's first write past a row copies its page)."""
+        if self._snap is None:
+            return self.stored_bytes() if len(self._rows.holders) > 1 else 0
+        floor = self.view().unchanged_rows(self._snap.version)
+        if floor is None:
+            return 0
+        rows = np.minimum(np.minimum(self._snap.lens, self.lens), floor)
+        return int(rows.sum()) * self._row_block_bytes()
+
+    def _row_block_bytes(self) -> int:
+        """Bytes one row of one head takes across the row blocks."""
+        return sum(getattr(self, n)[0, 0].nbytes for n in self.block_names())
+
+    def shared_rows(self) -> tuple[object, int] | None:
+        """What this storage shares with forks, as ``(identity, bytes)``: the
+        snapshot it maps (held while mapped) or the arrays it shares, with
+        the bytes those take once; None when it holds only its own rows."""
+        if self._snap is not None:
+            return self._snap, self._snap.nbytes
+        return (self._rows, self.stored_bytes()) if len(self._rows.holders) > 1 else None
 
     def _own(self) -> None:
-        """Take a private copy of the shared row arrays (before a write)."""
+        """Before a write while other holders read these rows: a snapshot's
+        holder already writes into its own pages (it only takes a view
+        identity of its own); shared arrays are copied."""
         self._rows.holders.discard(self)
-        for name in KV_ARRAYS:
-            a = getattr(self, name)
-            if a is not None:
-                setattr(self, name, a.copy())
+        if self._snap is None:
+            for name in KV_ARRAYS:
+                a = getattr(self, name)
+                if a is not None:
+                    setattr(self, name, a.copy())
         self._rows = _Rows(self)
         self._view = None
         self._touch(arrays=True)
@@ -301,6 +367,7 @@ class LayerStorage:
                         blk[h, : self.lens[h]] = old[h, : self.lens[h]]
                 setattr(self, name, blk)
             self.cap = new_cap
+            self._snap = None   # outgrew a fork's snapshot: its rows are its own now
             self._touch(arrays=True)
         if rows > self._imp.shape[0]:
             imp = np.zeros(max(16, 2 * self._imp.shape[0], rows), dtype=np.float32)
@@ -500,6 +567,7 @@ class LayerStorage:
         self.k = self.v = self.kq = self.ks = self.vq = self.vs = None
         self.k4 = self.k4s = self.v4 = self.v4s = None
         self.cap = 0
+        self._snap = None
         self._imp = np.zeros(0, dtype=np.float32)
         self._touch(arrays=True)
 

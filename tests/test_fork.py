@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvreg
+import kvreg._snapshot
 from kvreg import KvCache, LayerKvCache
 
 NKV, HD, HPK = 2, 32, 2
@@ -63,7 +64,11 @@ OPS = ["append", "extend", "attend", "truncate", "trim", "evict", "evict_born", 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["f32", "f16", "q8", "q4"])
-def test_forks_and_parent_mutated_in_random_order_match_deep_copies(backend, mode):
+@pytest.mark.parametrize("sharing", ["pages", "arrays"])
+def test_forks_and_parent_mutated_in_random_order_match_deep_copies(backend, mode, sharing, monkeypatch):
+    # pages: every fork maps one snapshot (kvreg._snapshot); arrays: small
+    # layers (or no memfd) share the arrays until the first write
+    monkeypatch.setattr(kvreg._snapshot, "MIN_BYTES", 0 if sharing == "pages" else 1 << 62)
     rng = np.random.default_rng(hash((backend, mode)) % 2**32)
     parent = _prompt(backend, mode, 48, seed=1)
     members = [parent] + [parent.fork() for _ in range(3)]
@@ -95,15 +100,25 @@ def test_n_forks_of_a_4k_prompt_hold_it_once(backend):
     assert all(f.storage.view().owner is parent.storage.view().owner for f in forks)
     held = kvreg.resident_bytes(parent, forks)
     assert held < 1.01 * alone, (held, alone)
-    # a fork's first write copies its rows (once): it then holds its own
+    # decoding on, every fork keeps reading the prompt from the one copy
     rng = np.random.default_rng(0)
-    k, v = _rows(rng)
-    forks[0].append(k[0], v[0])
-    assert forks[0].shared_bytes() == 0
-    assert kvreg.resident_bytes(parent, forks) > 1.9 * alone
-    # rows no live holder shares are the last holder's own again
-    del forks
-    assert parent.shared_bytes() == 0
+    for f in forks:
+        for _ in range(16):
+            k, v = _rows(rng)
+            f.append(k[0], v[0])
+    own = 8 * 16 * 2 * NKV * HD * 4                      # each fork's 16 new rows
+    pages = 8 * 2 * NKV * 4096                            # and a page per head and block it wrote into
+    assert all(f.shared_bytes() == alone for f in forks)
+    assert kvreg.resident_bytes(parent, forks) <= alone + own + pages
+    # a rewrite of the prompt's rows (a truncation into it) ends that fork's share
+    forks[0].truncate_last(4096 + 16 - 100)
+    assert forks[0].shared_bytes() == forks[0].memory_bytes()   # its 100 rows left are still shared
+    k, v = _rows(rng, 50)
+    forks[0].extend(k.reshape(50, NKV, HD), v.reshape(50, NKV, HD), layout="nhd")
+    assert forks[0].shared_bytes() == 100 * 2 * NKV * HD * 4
+    twin = _prompt(backend, "f32", 4096)
+    q = rng.standard_normal((NKV * HPK, HD)).astype(np.float32)
+    assert np.array_equal(parent.attend_layer(q), twin.attend_layer(q))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
