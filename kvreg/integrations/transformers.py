@@ -24,6 +24,8 @@ How it fits transformers (5.x):
 - Batches: one :class:`kvreg.KvCache` per sequence. Padded columns (the
   attention mask's all-false columns: left padding) are not stored, so each
   sequence's cache holds exactly its own tokens and answers as a batch-1 run.
+  A decode step of a batch attends every sequence's layer in one
+  :func:`kvreg.attend_batch` call (one kernel launch on numba and OpenCL).
 - Positions: ``get_seq_length`` counts every column seen (pads included, as
   ``DynamicCache`` does) and never shrinks, whatever eviction, sliding trims
   or the seal drop: RoPE positions stay absolute.
@@ -65,6 +67,7 @@ import os
 import numpy as np
 
 from .. import _validate as V
+from ..batch import attend_batch
 from ..cache import Born, KvCache, Recent
 from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
@@ -321,6 +324,9 @@ class KvregCache(Cache):
             k = key.detach().to(torch.float32)
             v = value.detach().to(torch.float32)
             out = np.zeros((bsz, q_len, nh, hd), dtype=np.float32)
+            if q_len == 1 and bsz > 1:
+                self._decode_batch(layer_idx, q, k, v, mask, scale, window, out)
+                return torch.from_numpy(out).to(query.dtype), None
             for b in range(bsz):
                 cols = _new_columns(mask, b, q_len)
                 qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b][:, cols], v[b][:, cols])
@@ -359,6 +365,21 @@ class KvregCache(Cache):
             out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window)
         self._bound(layer, window)
         return out
+
+    def _decode_batch(self, layer_idx: int, q, k, v, mask, scale, window, out: np.ndarray) -> None:
+        """A decode step of a batch: each sequence with a new column stores
+        its row, then one :func:`kvreg.attend_batch` call attends them all
+        (bit for bit what one ``attend_layer`` per sequence answers)."""
+        rows = [b for b in range(q.shape[0]) if (c := _new_columns(mask, b, 1)) is None or c.numel()]
+        layers = [self._seqs[b].layers[layer_idx] for b in rows]
+        kn, vn = k[:, :, 0].numpy(), v[:, :, 0].numpy()      # [b, kvh, hd]
+        for b, layer in zip(rows, layers):
+            layer.append(kn[b], vn[b])                        # a self-sealing layer seals here
+        if layers:
+            out[rows, 0] = attend_batch(q[rows, 0].numpy(), layers, scale=scale, window=window,
+                                        importance=isinstance(self.policy, Born))
+        for layer in layers:
+            self._bound(layer, window)
 
     def _bound(self, layer, window: int | None) -> None:
         rows = layer.seq_len
