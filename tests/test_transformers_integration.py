@@ -92,21 +92,31 @@ def test_teacher_forced_logprobs_match_dynamic_cache_past_the_sliding_window(lm)
         assert any(w is not None and layer.seq_len < ids.shape[1] - 1 for w, layer in zip(cache.windows, layers))
 
 
-def test_batch_of_two_with_left_padding_equals_two_single_runs(lm):
+BATCH_CONFIGS = {"f32": {"mode": "f32"}, "q8_born": {"mode": "q8", "budget": 12},
+                 "o1": {"mode": "f32", "o1": (4, 8, 2)}}
+
+
+@pytest.mark.parametrize("cfg", list(BATCH_CONFIGS))
+def test_batch_of_two_with_left_padding_equals_two_single_runs(lm, cfg):
+    # The batch's decode steps run one kvreg.attend_batch per layer; each
+    # sequence alone runs attend_layer: the same bits, so the same tokens.
     name, model, tok = lm
+    kw = BATCH_CONFIGS[cfg]
     prompts = [PROMPT, "The capital of France is"]
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     batch = tok(prompts, return_tensors="pt", padding=True)
     assert not bool(batch.attention_mask.all()), "the prompts must differ in length"
-    cache = KvregCache(model, mode="f32")
+    cache = KvregCache(model, **kw)
     got = _generate(model, batch, cache, n=16)
     width = batch.input_ids.shape[1]
     for i, p in enumerate(prompts):
         single = tok(p, return_tensors="pt")
-        one = _generate(model, single, KvregCache(model, mode="f32"), n=16)
-        assert torch.equal(got[i, width:], one[0, single.input_ids.shape[1]:]), f"{name}: sequence {i}"
+        one = _generate(model, single, KvregCache(model, **kw), n=16)
+        assert torch.equal(got[i, width:], one[0, single.input_ids.shape[1]:]), f"{name} {cfg}: sequence {i}"
+    if cfg != "f32":
+        return
     # Each sequence stores its own tokens only (no pad rows).
     full = [w is None for w in cache.windows].index(True)
     lens = [seq.layers[full].seq_len for seq in cache.sequences]
