@@ -3,7 +3,10 @@
 Native kernels: ``attend_group``, ``attend_layer`` (one parallel kernel for
 every KV group: the decode fast path; f16/bf16 blocks read as stored, 2
 bytes an element, widened in registers; q8's float16 window rows read the
-same way, from ``thk``/``thv`` as stored), ``attend_chunk`` (BLAS GEMMs with a
+same way, from ``thk``/``thv`` as stored), ``attend_batch`` (the same layer
+of B sequences in one parallel launch: every sequence's block tasks in one
+task list, each the layer call's arithmetic on its own arrays, passed as
+addresses; q4 loops over the reference), ``attend_chunk`` (BLAS GEMMs with a
 fused Numba masked softmax), ``quantize_rows`` and ``gather_rows`` (exact
 class), ``bounded_attend`` (one parallel kernel, :mod:`kvreg_numba.ring`) and
 the Nyström ``nystrom_prefill``/``nystrom_absorb``/``nystrom_step`` (serial
@@ -16,9 +19,12 @@ register the class); the kernels load when the backend is instantiated.
 
 from __future__ import annotations
 
+import operator
+import weakref
+
 import numpy as np
 
-from kvreg.errors import BackendError
+from kvreg.errors import BackendError, ShapeError
 from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.reference import ReferenceBackend
 
@@ -61,6 +67,83 @@ def _storage_args(kv) -> dict:
     )
 
 
+#: The view fields a batch row holds, per K/V quantization (the arrays
+#: :func:`kvreg_numba.kernels.batch_arrays` takes, in its order).
+def _row_fields(quant_k: bool, quant_v: bool) -> tuple[str, ...]:
+    return (("kq", "ks", "kcol") if quant_k else ("k",)) + (("vq", "vs", "vcol") if quant_v else ("v",)) + \
+        ("xk", "xv", "thk", "thv")
+
+
+class _BatchRows:
+    """Rows of the batch table (:func:`kvreg_numba.kernels.batch_row`: each
+    array's address and dims), cached per sequence. A row depends on which
+    arrays the view holds, and a storage hands out the same array objects
+    until it reallocates them, so a row is found by its first array's
+    identity and checked against weak references to every array it was
+    built from: a reallocated (or freed and reused) array misses and the
+    row is rebuilt. Nothing here keeps an array alive; an entry goes when
+    its first array does."""
+
+    def __init__(self, k):
+        self._k = k
+        self._rows: dict[int, tuple] = {}
+
+    def table(self, kvs, fields):
+        k = self._k
+        out = []
+        keep = []  # the normalized arrays (views of the storage's own) stay alive for the call
+        rows = self._rows
+        get = operator.attrgetter(*fields)
+        for kv in kvs:
+            if kv.cap == 0:
+                out.append(k.EMPTY_ROW)
+                continue
+            arrs = get(kv)
+            hit = rows.get(id(arrs[0]))
+            if hit is not None:
+                for r, a in zip(hit[0], arrs):
+                    if r() is not a:
+                        break
+                else:
+                    out.append(hit[1])
+                    keep.append(hit[2])
+                    continue
+            out.append(self._build(arrs, fields, keep))
+        return np.array(out), keep
+
+    def _build(self, arrs, fields, keep):
+        k = self._k
+        norm = k.batch_arrays(**{f: a for f, a in zip(fields, arrs) if a is not None})
+        row = k.batch_row(*norm)
+        keep.append(norm)
+        try:
+            refs = tuple(_NONE_REF if a is None else weakref.ref(a) for a in arrs)
+        except TypeError:  # not weakly referable: no caching
+            return row
+        key = id(arrs[0])
+        self._rows[key] = (refs, row, norm)
+        weakref.finalize(arrs[0], self._rows.pop, key, None)
+        return row
+
+
+def _none():
+    return None
+
+
+#: Stands for an absent array in a cached row (``r() is None``).
+_NONE_REF = _none
+
+
+def _counts(kvs, name, dtype):
+    """A per-head count of every view, ``[B * nkv]`` (zeros for a view without it)."""
+    try:
+        return np.concatenate([getattr(kv, name) for kv in kvs]).astype(dtype, copy=False)
+    except (TypeError, ValueError):
+        nkv = kvs[0].num_kv_heads
+        return np.concatenate([np.zeros(nkv, dtype) if getattr(kv, name) is None
+                               else np.asarray(getattr(kv, name), dtype) for kv in kvs])
+
+
 class NumbaBackend(ReferenceBackend):
     """Numba CPU kernels; everything else from the NumPy reference."""
 
@@ -80,6 +163,7 @@ class NumbaBackend(ReferenceBackend):
 
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
+        self._rows = None  # batch rows, built at the first attend_batch
 
     def describe(self) -> str:
         import numba
@@ -108,6 +192,48 @@ class NumbaBackend(ReferenceBackend):
             q, kv.lens, window=int(window or 0), scale=scale, softcap=softcap or 0.0,
             sinks=sinks, imp=imp, **_storage_args(kv),
         )
+
+    def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
+        """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):
+        every sequence's decode tasks in one task list, each running
+        :meth:`attend_layer`'s arithmetic on its own arrays (the same block
+        kernel, merge and importance pass), so row ``b`` is the layer call's
+        bits. q4 layers take the inherited per-sequence loop (their
+        attend_layer is the reference's)."""
+        kvs = list(kvs)
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 3 or q.shape[0] != len(kvs):
+            raise ShapeError(f"attend_batch: q must be [{len(kvs)}, nh, hd], got {q.shape}")
+        if imps is not None and len(imps) != len(kvs):
+            raise ShapeError(f"attend_batch: {len(imps)} importance accumulators for {len(kvs)} sequences")
+        if not kvs:
+            return np.zeros(q.shape, np.float32)
+        kv0 = kvs[0]
+        mode, nkv, hd = kv0.mode, kv0.num_kv_heads, kv0.head_dim
+        for kv in kvs:
+            if kv.mode is not mode or kv.num_kv_heads != nkv or kv.head_dim != hd:
+                raise ShapeError("attend_batch: every sequence must share mode, num_kv_heads and head_dim "
+                                 f"({kv.mode.value}/{kv.num_kv_heads}/{kv.head_dim} vs {mode.value}/{nkv}/{hd})")
+        if mode.tiered:
+            return super().attend_batch(q, kvs, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                        imps=imps)
+        if q.shape[2] != hd or q.shape[1] % nkv:
+            raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
+        qk, qv = mode.quant_k, mode.quant_v
+        if self._rows is None:
+            self._rows = _BatchRows(self._k)
+        tab, keep = self._rows.table(kvs, _row_fields(qk, qv))
+        win = bool(kv0.window)
+        exact = bool(kv0.exact_cap)
+        out = self._k.attend_batch(
+            q, tab, lens=_counts(kvs, "lens", np.int64), kquant=qk, vquant=qv,
+            kv_dtype=mode.float_dtype, xlen=_counts(kvs, "xlen", np.int64) if exact else None,
+            b8=_counts(kvs, "b8", np.int64) if win else None,
+            kcol_set=_counts(kvs, "kcol_set", np.bool_) if qk else None,
+            vcol_set=_counts(kvs, "vcol_set", np.bool_) if qv else None,
+            imps=imps, window=int(window or 0), scale=scale, softcap=softcap or 0.0, sinks=sinks)
+        del keep
+        return out
 
     def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
         if kv.k is None or kv.v is None or kv.k.dtype != np.float32 or kv.v.dtype != np.float32:
