@@ -62,13 +62,14 @@ model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
 
 from .. import _validate as V
 from ..batch import attend_batch
-from ..cache import Born, KvCache, Recent
+from ..cache import Born, KvCache, Recent, resident_bytes
 from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
 from ..modes import Q8_EXACT_ROWS, KvMode
@@ -264,9 +265,24 @@ class KvregCache(Cache):
         """One :class:`kvreg.KvCache` per batch row (empty before the first forward)."""
         return list(self._seqs)
 
+    def fork(self) -> "KvregCache":
+        """A cache that continues from this one's state as a copy would,
+        every sequence's rows shared copy-on-write (:meth:`kvreg.KvCache.fork`):
+        prefill a shared prompt once, fork it per request, and the prompt's
+        rows are held once while each fork decodes on."""
+        new = copy.copy(self)
+        new._seqs = [seq.fork() for seq in self._seqs]
+        new.layers = []
+        for layer in self.layers:
+            twin = KvregLayer(new, layer.index, layer.sliding_window)
+            twin.seen, twin.is_initialized = layer.seen, layer.is_initialized
+            new.layers.append(twin)
+        return new
+
     def memory_bytes(self) -> int:
-        """Bytes of KV state held, every sequence and layer (kvreg's count)."""
-        return sum(seq.total_memory_bytes() for seq in self._seqs)
+        """Bytes of KV state held, every sequence and layer (kvreg's count;
+        rows shared with forks counted once: :func:`kvreg.resident_bytes`)."""
+        return resident_bytes(self._seqs)
 
     def _check_states(self, layer_idx: int, key, value) -> None:
         for name, t in (("key_states", key), ("value_states", value)):
