@@ -278,3 +278,30 @@ def test_a_switched_model_answers_other_caches_exactly_as_sdpa(lm):
         plain = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).logits
     model.set_attn_implementation("kvreg")
     assert torch.equal(switched, plain)
+
+
+def test_fork_shares_a_prefilled_prompt_and_continues_as_a_fresh_prefill(lm):
+    # A system prompt prefilled once, forked per request: each fork answers
+    # as a cache that prefilled the prompt itself, and the prompt's rows are
+    # held once while the forks decode (kvreg.resident_bytes).
+    name, model, tok = lm
+    ids = tok(PROMPT * 40, return_tensors="pt").input_ids[:, :400]
+
+    def prefilled():
+        cache = KvregCache(model, mode="f32")
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache, use_cache=True)
+        return cache
+
+    parent = prefilled()
+    alone = parent.memory_bytes()
+    forks = [parent.fork() for _ in range(2)]
+    for i, fork in enumerate(forks):
+        request = torch.cat([ids, tok(f" # request {i}", return_tensors="pt").input_ids], dim=1)
+        mask = torch.ones_like(request)
+        got = _generate(model, {"input_ids": request, "attention_mask": mask}, fork, n=6)
+        want = _generate(model, {"input_ids": request, "attention_mask": mask}, prefilled(), n=6)
+        assert torch.equal(got, want), f"{name}: fork {i}"
+    held = kvreg.resident_bytes([c.sequences for c in [parent] + forks])
+    assert held < 1.25 * alone, (name, held, alone)
+    assert parent.memory_bytes() == alone
