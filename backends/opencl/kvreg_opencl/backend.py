@@ -2,7 +2,10 @@
 
 Native: ``attend_group``, ``attend_layer`` (every KV mode but q4: F32, F16,
 BF16, Q8, Q8K, Q8V and the 2f freezes; the 2-byte rows and q8's float16
-windows stay 2 bytes on the device), ``attend_chunk``
+windows stay 2 bytes on the device), ``attend_batch`` (the same layer of B
+sequences in one launch of each attention program, over the batch's rows
+assembled on the device from the layer mirrors: :mod:`kvreg_opencl.batch`;
+q4 loops over the reference), ``attend_chunk``
 (F32 and the q8 modes; the core hands f16/bf16 chunks over as a widened
 F32 view), ``bounded_attend``, ``quantize_rows`` (exact class; only
 on a device with correctly rounded fp32 division, else the reference's) and
@@ -25,10 +28,11 @@ import weakref
 
 import numpy as np
 from kvreg.bounded import check_bounded_attend_args
-from kvreg.errors import BackendError
+from kvreg.errors import BackendError, ShapeError
 from kvreg.modes import KvMode
 from kvreg.reference import ReferenceBackend
 
+from . import batch as _batch
 from . import bounded as _bounded
 from . import config, kernels, programs
 from . import device as _device
@@ -147,6 +151,39 @@ class OpenCLBackend(ReferenceBackend):
             self.mirror(kv), q, lens=lens, scale=scale, first=first, softcap=softcap,
             sinks=sinks, imp=imp)
         return out
+
+    def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
+        """One layer of ``B`` sequences: their rows assembled on the device
+        (incrementally, from the layer mirrors) and attended in one launch
+        of each attention program (:mod:`kvreg_opencl.batch`), bit for bit
+        :meth:`attend_layer` per sequence. q4, and a batch whose mirrors
+        disagree on layout, take the per-sequence loop."""
+        kvs = list(kvs)
+        q = np.asarray(q, dtype=np.float32)
+        if q.ndim != 3 or q.shape[0] != len(kvs):
+            raise ShapeError(f"attend_batch: q must be [{len(kvs)}, nh, hd], got {q.shape}")
+        if imps is not None and len(imps) != len(kvs):
+            raise ShapeError(f"attend_batch: {len(imps)} importance accumulators for {len(kvs)} sequences")
+        if not kvs:
+            return np.zeros(q.shape, np.float32)
+        kv0 = kvs[0]
+        mode, nkv, hd = kv0.mode, kv0.num_kv_heads, kv0.head_dim
+        for kv in kvs:
+            if kv.mode is not mode or kv.num_kv_heads != nkv or kv.head_dim != hd:
+                raise ShapeError("attend_batch: every sequence must share mode, num_kv_heads and head_dim "
+                                 f"({kv.mode.value}/{kv.num_kv_heads}/{kv.head_dim} vs {mode.value}/{nkv}/{hd})")
+        if q.shape[2] != hd or q.shape[1] % nkv:
+            raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
+        if not mode.tiered:
+            if imps is not None:
+                for imp in imps:
+                    if imp is not None and (imp.dtype != np.float32 or imp.ndim != 1):
+                        raise ShapeError("attend_batch: an importance accumulator must be 1-D float32")
+            out = _batch.attend_batch(self, q, kvs, scale=scale, window=window, softcap=softcap or 0.0,
+                                      sinks=sinks, imps=imps)
+            if out is not None:
+                return out
+        return super().attend_batch(q, kvs, scale=scale, window=window, softcap=softcap, sinks=sinks, imps=imps)
 
     def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
         if b == 0 or self._empty(kv):

@@ -61,6 +61,7 @@
     __global const int *firsts,     /* [T, ng] first visible row          */ \
     const int g0, const int ng, const int cap, const int hd,                 \
     const int hpk, const int hc, const int br, const int nblk,               \
+    const int tg,                   /* storage heads per token (batch)    */ \
     const float scale, const float softcap,                                  \
     __global float *pm,             /* [T, nq, nblk] block max            */ \
     __global float *ps,             /* [T, nq, nblk] block sum of exp     */ \
@@ -73,7 +74,7 @@
     __local float *vloc             /* [R * hc * hd] value-pass lanes     */
 
 #define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, thk, thv, b8, wcap, nlim, firsts, g0, ng, cap, hd,  \
-    hpk, hc, br, nblk, scale, softcap, pm, ps, pacc, scores, sstride,         \
+    hpk, hc, br, nblk, tg, scale, softcap, pm, ps, pacc, scores, sstride,         \
     want_scores, qloc, sloc, mloc, vloc
 
 /* Element layout of the unquantized K/V buffers (KH): f32, binary16, bfloat16. */
@@ -176,7 +177,10 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     const int hbeg = (get_global_id(1) % nchunk) * hc;
     const int hcnt = min(hc, hpk - hbeg);
     const int t = get_global_id(2);
-    const int g = g0 + gl;
+    /* the storage head: tg = 0 when every token reads one layer's rows (a
+     * decode, a prefill chunk), tg = nkv when token t is sequence t of a
+     * batch whose layers sit one after another in the buffers */
+    const int g = g0 + gl + t * tg;
     const int n = nlim[t * ng + gl];
     const int first = firsts[t * ng + gl];
     const int row0 = first + b * br;
@@ -366,12 +370,13 @@ __kernel void partial_kb_vb(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_BF16); 
 __kernel void merge(__global const float *pm, __global const float *ps,
                     __global const float *pacc,
                     __global const int *nlim, __global const int *firsts,
-                    __global const float *sinks,     /* [nq] */
+                    __global const float *sinks,     /* [nq], or [T, nq] with sink_t = nq */
                     const int has_sinks,
-                    __global const float *vcol,      /* [nkv, hd] */
+                    const int sink_t,
+                    __global const float *vcol,      /* [nkv, hd], or [T * tg, hd] */
                     const int use_vcol,
                     const int g0, const int ng, const int hd, const int hpk,
-                    const int br, const int nblk,
+                    const int br, const int nblk, const int tg,
                     __global float *out,             /* [T, nq, hd] */
                     __global float *mz)              /* [T, nq, 2] */
 {
@@ -392,7 +397,7 @@ __kernel void merge(__global const float *pm, __global const float *ps,
     const int nb = (n - first + br - 1) / br;
     float m = -INFINITY;
     for (int b = 0; b < nb; ++b) m = kvreg_max_nan(m, pm[o * nblk + b]);
-    if (has_sinks) m = kvreg_max_nan(m, sinks[qh]);
+    if (has_sinks) m = kvreg_max_nan(m, sinks[t * sink_t + qh]);
     float z = 0.0f, acc = 0.0f;
     if (!isfinite(m)) {
         /* a NaN or +inf score, or every visible score -inf and no sink: the
@@ -411,10 +416,10 @@ __kernel void merge(__global const float *pm, __global const float *ps,
             acc += pacc[(o * nblk + b) * hd + d] * f;
         }
         /* the sink joins the denominator last, as in the seed */
-        if (has_sinks) z += exp(sinks[qh] - m);
+        if (has_sinks) z += exp(sinks[t * sink_t + qh] - m);
     }
     float r = (z > 0.0f || isnan(z)) ? acc / z : 0.0f;
-    if (use_vcol) r *= vcol[(size_t)(g0 + gl) * hd + d];
+    if (use_vcol) r *= vcol[(size_t)(g0 + gl + t * tg) * hd + d];
     out[o * hd + d] = r;
     if (d == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
 }
@@ -460,4 +465,26 @@ __kernel void importance(__global float *imp, const int imp_len,
         }
     }
     imp[p] = acc;
+}
+
+/* The batch's importance: token t is sequence t, with its own accumulator
+ * imp[t * istride, + imp_len[t]); imp[p] += prob[t, h, p] over the heads in
+ * order, the additions of `importance` for that sequence alone (T = 1). */
+__kernel void importance_batch(__global float *imp, __global const int *imp_len, const int istride,
+                               __global const float *prob,
+                               __global const int *nlim, __global const int *firsts,
+                               const int ng, const int hpk, const int sstride)
+{
+    const int p = get_global_id(0);
+    const int t = get_global_id(1);
+    if (p >= imp_len[t]) return;
+    const int nq = ng * hpk;
+    float acc = imp[(size_t)t * istride + p];
+    for (int qh = 0; qh < nq; ++qh) {
+        const int gl = qh / hpk;
+        const int f = firsts[t * ng + gl];
+        if (p < f || p >= nlim[t * ng + gl]) continue;
+        acc += prob[((size_t)t * nq + qh) * sstride + (p - f)];
+    }
+    imp[(size_t)t * istride + p] = acc;
 }
