@@ -133,6 +133,30 @@ def test_dead_decode_workers_are_replaced_from_the_last_checkpoint(workers, refe
     assert all(i == 2 for i, _ in shipped[2:]) and len(shipped[-1][1]) == NEW
 
 
+def test_a_padded_batch_travels_whole(lm):
+    """KvregCache.export_wire carries every sequence (of different lengths:
+    pads are not stored) and the seen counts: the importer's next step is
+    the exporter's, bit for bit."""
+    model, tok = lm
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        batch = tok([PROMPT, "The capital of France is"], return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    assert not bool(batch.attention_mask.all())
+    cache = KvregCache(model, mode="q8")
+    with torch.no_grad():
+        nxt = model(**batch, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+    twin = KvregCache(model, mode="q8")
+    twin.import_wire(cache.export_wire())
+    assert [s.layers[0].seq_len for s in twin.sequences] == [s.layers[0].seq_len for s in cache.sequences]
+    assert twin.get_seq_length() == cache.get_seq_length() == batch.input_ids.shape[1]
+    mask = torch.cat([batch.attention_mask, torch.ones_like(nxt)], dim=1)
+    with torch.no_grad():
+        a, b = (model(input_ids=nxt, attention_mask=mask, cache=c, use_cache=True).logits for c in (cache, twin))
+    assert torch.equal(a, b) and twin.export_wire() == cache.export_wire()
+
+
 def test_refusals_change_nothing(workers, lm):
     model, tok = lm
     ids = tok(PROMPT, return_tensors="pt").input_ids
