@@ -284,6 +284,131 @@ class KvregCache(Cache):
         rows shared with forks counted once: :func:`kvreg.resident_bytes`)."""
         return resident_bytes(self._seqs)
 
+    # ── moving the whole cache between processes (kvreg.integrations.ray) ──
+
+    #: ``export_wire``'s container: magic, then version.
+    WIRE_MAGIC = b"KVRT"
+    WIRE_VERSION = 1
+
+    def export_wire(self) -> bytes:
+        """Every sequence's KV state and every layer's ``seen`` column count
+        (the model's positions), as one blob for :meth:`import_wire`.
+
+        Layout (little-endian): magic ``KVRT``, u32 version 1, u32 sequences
+        ``S``, u32 layers ``L``, u32 KV heads, u32 head_dim, u32 mode-name
+        length + the ASCII name (``KvMode.value``), u32 ``q8_exact_rows``,
+        ``L`` x u32 sliding window (0: a global layer), ``L`` x u64 ``seen``,
+        then per sequence a u64 length and its ``KvCache.export_wire()``
+        container (``KVRC``: v2 records for F32, v3 storage records, bit for
+        bit, for every other mode; docs/wire.md). A cache with the O(1) seal
+        is refused (its overlay is not part of the wire format)."""
+        import struct
+
+        if self.o1 is not None:
+            raise ConfigError("KvregCache.export_wire: a cache with the O(1) seal (o1=...) cannot be exported "
+                              "(its Nyström overlay is not part of the wire format); use a plain, budget or "
+                              "sliding cache")
+        mode = self.mode.value.encode("ascii")
+        head = [self.WIRE_MAGIC, struct.pack("<6I", self.WIRE_VERSION, len(self._seqs), self.num_layers,
+                                             self.num_kv_heads, self.head_dim, len(mode)), mode,
+                struct.pack("<I", self.q8_exact_rows),
+                struct.pack(f"<{self.num_layers}I", *(w or 0 for w in self.windows)),
+                struct.pack(f"<{self.num_layers}Q", *(layer.seen for layer in self.layers))]
+        parts = []
+        for seq in self._seqs:
+            blob = seq.export_wire()
+            parts += [struct.pack("<Q", len(blob)), blob]
+        return b"".join(head + parts)
+
+    def import_wire(self, blob) -> None:
+        """Install a blob written by :meth:`export_wire` (this process or
+        another): every sequence and every layer's ``seen`` count are
+        replaced, so the next forward continues where the exporter stopped.
+        The exporter's model geometry (layers, KV heads, head_dim, sliding
+        windows), mode and ``q8_exact_rows`` must be this cache's. Every
+        check (the container, each sequence's records, positions against
+        ``seen``) runs before anything changes: a refused blob leaves the
+        cache as it was (:class:`~kvreg.errors.WireError` naming what was
+        expected; :class:`~kvreg.errors.ConfigError` for a sealed cache)."""
+        import struct
+
+        from ..errors import WireError
+
+        if self.o1 is not None:
+            raise ConfigError("KvregCache.import_wire: a cache with the O(1) seal (o1=...) cannot import "
+                              "(its overlay is not part of the wire format); build it without o1")
+        try:
+            mv = memoryview(blob).cast("B")
+        except TypeError:
+            raise WireError("KvregCache.import_wire expects a bytes-like KvregCache.export_wire() blob, "
+                            f"got {type(blob).__name__}") from None
+        at = 0
+
+        def take(n: int, what: str) -> memoryview:
+            nonlocal at
+            if len(mv) - at < n:
+                raise WireError(f"KvregCache wire: truncated {what}: needs {n} byte(s), {len(mv) - at} left "
+                                f"(at byte {at})")
+            at += n
+            return mv[at - n:at]
+
+        magic = bytes(take(4, "magic"))
+        if magic != self.WIRE_MAGIC:
+            hint = " (a KvCache container: import it with KvCache.import_wire)" if magic == b"KVRC" else ""
+            raise WireError(f"KvregCache wire: expected magic {self.WIRE_MAGIC!r} (a KvregCache.export_wire() "
+                            f"blob), got {magic!r}{hint} (at byte 0)")
+        version, nseq, nlayers, kvh, hd, mlen = struct.unpack("<6I", take(24, "header"))
+        if version != self.WIRE_VERSION:
+            raise WireError(f"KvregCache wire: expected version {self.WIRE_VERSION}, got {version} (at byte 4)")
+        if nlayers != self.num_layers or kvh != self.num_kv_heads or hd != self.head_dim:
+            raise WireError(f"KvregCache wire: the blob holds {nlayers} layers x {kvh} KV heads x head_dim {hd}; "
+                            f"expected this model's {self.num_layers} x {self.num_kv_heads} x {self.head_dim} "
+                            "(at byte 12)")
+        if not 1 <= nseq <= 2**20:
+            raise WireError(f"KvregCache wire: expected 1 to 2**20 sequences, got {nseq} (at byte 8)")
+        if not 1 <= mlen <= 32:
+            raise WireError(f"KvregCache wire: expected a mode name of 1..32 bytes, got length {mlen} (at byte 24)")
+        mode = bytes(take(mlen, "mode name")).decode("ascii", "replace")
+        if mode != self.mode.value:
+            raise WireError(f"KvregCache wire: the blob stores {mode!r} rows, this cache stores "
+                            f"{self.mode.value!r}: build the importing cache with mode={mode!r} (at byte 28)")
+        (exact,) = struct.unpack("<I", take(4, "q8_exact_rows"))
+        if exact != self.q8_exact_rows:
+            raise WireError(f"KvregCache wire: the exporter kept q8_exact_rows={exact}, this cache "
+                            f"{self.q8_exact_rows}: build it with q8_exact_rows={exact} (at byte {at - 4})")
+        windows = struct.unpack(f"<{nlayers}I", take(4 * nlayers, "sliding windows"))
+        if list(windows) != [w or 0 for w in self.windows]:
+            raise WireError(f"KvregCache wire: the exporter's sliding windows per layer (0: global) are "
+                            f"{list(windows)}, expected this model's {[w or 0 for w in self.windows]} "
+                            f"(at byte {at - 4 * nlayers})")
+        seen = struct.unpack(f"<{nlayers}Q", take(8 * nlayers, "seen counts"))
+        if any(s > 2**53 for s in seen):
+            raise WireError(f"KvregCache wire: expected seen counts up to 2**53, got {max(seen)} "
+                            f"(at byte {at - 8 * nlayers})")
+        seqs = []
+        for i in range(nseq):
+            (n,) = struct.unpack("<Q", take(8, f"length of sequence {i}"))
+            start = at
+            body = take(n, f"sequence {i}")
+            seq = self._new_sequence()
+            try:
+                seq.import_wire(body)
+            except WireError as exc:
+                raise WireError(f"KvregCache wire: sequence {i} (at byte {start}): {exc}") from exc
+            for j, (layer, s) in enumerate(zip(seq.layers, seen)):
+                if layer.pos_len > s:
+                    raise WireError(f"KvregCache wire: sequence {i} layer {j} holds position {layer.pos_len}, "
+                                    f"past the layer's seen count {s}: expected at most {s} positions")
+            seqs.append(seq)
+        if at != len(mv):
+            raise WireError(f"KvregCache wire: {len(mv) - at} trailing byte(s) after {nseq} sequence(s); "
+                            f"expected the blob to end (at byte {at})")
+        # Everything checked: install.
+        self._seqs = seqs
+        for layer, s in zip(self.layers, seen):
+            layer.seen = int(s)
+            layer.is_initialized = True
+
     def _check_states(self, layer_idx: int, key, value) -> None:
         for name, t in (("key_states", key), ("value_states", value)):
             if t.device.type != "cpu":
