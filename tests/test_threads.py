@@ -63,3 +63,48 @@ def test_import_kvreg_does_not_import_torch():
     code = "import sys, kvreg; kvreg.get_num_threads(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _run(ch, clock, cost, steps, dt=0.01, budget=2):
+    """``steps`` calls of 1 MB, each taking ``cost[n]`` ns per byte; the counts chosen."""
+    picked = []
+    for _ in range(steps):
+        n = ch.choose(budget)
+        ch.record(n, budget, 1 << 20, int(cost[n] * (1 << 20)))
+        picked.append(n)
+        clock.t += dt
+    return picked
+
+
+def test_the_chooser_runs_the_budget_on_a_quiet_machine_and_one_thread_beside_a_busy_one():
+    clock = _Clock()
+    ch = threads.Chooser(clock)
+    quiet = _run(ch, clock, {1: 1.0, 2: 0.75}, 400)
+    assert quiet[:2] == [2, 1] and quiet[2:].count(2) > 0.95 * 398
+    busy = _run(ch, clock, {1: 1.0, 2: 90.0}, 2000)        # neighbours take the cores
+    assert busy[-1500:].count(2) <= 6, "a slow count is retried less and less often"
+    again = _run(ch, clock, {1: 1.0, 2: 0.75}, 2000)       # quiet again: the threads come back
+    assert again[-1000:].count(2) > 950   # back within one probe interval (at most PROBE_MAX)
+
+
+def test_an_explicit_budget_is_used_as_given_and_small_work_on_one_thread(monkeypatch):
+    monkeypatch.setattr(threads, "_choosers", {})
+    with threads.chosen_threads(threads.SMALL_WORK_BYTES - 1, "t") as n:
+        assert n == 1
+    kvreg.set_num_threads(3)
+    with threads.chosen_threads(threads.SMALL_WORK_BYTES, "t", cap=8) as n:
+        assert n == 3
+    assert "t" not in threads._choosers
+    kvreg.set_num_threads(None)
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    with threads.chosen_threads(threads.SMALL_WORK_BYTES, "t") as n:
+        assert n == 2
+    assert threads.chooser("t").cost.keys() == {2}
