@@ -278,14 +278,17 @@ def real_at_least(name: str, x, lo: float) -> float:
     return f
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def scale(x) -> np.float32:
     """A positive score scale, finite in float32: the kernels multiply in
     float32, so 1e39 would become inf (and every score NaN), 1e-50 zero."""
     want = "a positive number, finite and non-zero in float32"
     f = _real("scale", x, want)
-    with np.errstate(over="ignore"):
-        s = np.float32(f)
-    if not np.isfinite(s) or not s > 0:
+    # compared in Python first (no float32 overflow, no errstate: this runs per decode call)
+    s = np.float32(f) if 0.0 < f <= _F32_MAX else np.float32(0.0)
+    if not s > 0:
         raise ShapeError(f"scale must be {want}, got {x!r}")
     return s
 
@@ -293,8 +296,6 @@ def scale(x) -> np.float32:
 def softcap(x) -> float:
     want = "a number >= 0 finite in float32 (0 = off)"
     f = _real("softcap", x, want)
-    with np.errstate(over="ignore"):
-        ok = np.isfinite(np.float32(f))
-    if not ok or not f >= 0:
+    if not 0.0 <= f <= _F32_MAX:
         raise ShapeError(f"softcap must be {want}, got {x!r}")
     return f

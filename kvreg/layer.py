@@ -306,6 +306,17 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         nkv, hd = self.num_kv_heads, self.head_dim
         k = V.rows("k", k, nkv, hd)
         v = V.rows("v", v, nkv, hd)
+        st = self._st
+        if alive is None and self._lifecycle is Lifecycle.PLAIN and st.plain_rows() \
+                and self.pos_len < V.MAX_POSITION:
+            # The decode hot path (F32/f16/bf16, every head alive and level):
+            # what _extend does for one such row, without its general machinery.
+            if st.mode.half:
+                self._check_half(k, v)
+            self._fresh = None
+            st.append_row(k, v)
+            self._seq_len += 1
+            return
         alive = V.alive_mask(alive, nkv)
         if alive.all() and self._o1_auto_append(k, v):
             return
@@ -361,14 +372,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             self._remember_fresh(k, v, heads)
             return
         if mode.half:
-            lim = HALF_OVERFLOW[mode.value]
-            for name, x in (("k", k), ("v", v)):
-                xa = np.abs(x[:, heads])
-                # inf and NaN are stored as they are (IEEE, as under f32); a
-                # finite value past the format's range would become inf silently.
-                if ((xa >= lim) & np.isfinite(xa)).any():
-                    raise ShapeError(f"{name} has finite values of magnitude >= {float(lim):.6g}, which "
-                                     f"{mode.value} storage would round to inf: use f32 (or bf16) storage")
+            self._check_half(k[:, heads], v[:, heads])
         n, done = k.shape[0], 0
         while done < n:
             seg = n - done
@@ -382,6 +386,17 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             self._store(k[done:done + seg], v[done:done + seg], heads)
             done += seg
         self._remember_fresh(k, v, heads)
+
+    def _check_half(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Refuse finite values an f16/bf16 store would round to inf (inf and
+        NaN are stored as they are: IEEE, as under f32)."""
+        mode = self._st.mode
+        lim = HALF_OVERFLOW[mode.value]
+        for name, x in (("k", k), ("v", v)):
+            xa = np.abs(x)
+            if ((xa >= lim) & np.isfinite(xa)).any():
+                raise ShapeError(f"{name} has finite values of magnitude >= {float(lim):.6g}, which "
+                                 f"{mode.value} storage would round to inf: use f32 (or bf16) storage")
 
     def _remember_fresh(self, k: np.ndarray, v: np.ndarray, heads: np.ndarray) -> None:
         """Keep a chunk's float32 rows for the attend_chunk that follows it

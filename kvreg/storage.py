@@ -48,7 +48,7 @@ import numpy as np
 from . import _snapshot
 from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
 from .plugin import KV_ARRAYS, KV_COUNTS, KvView, readonly
-from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates
+from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates, to_half
 
 _GEN = itertools.count(1)
 
@@ -398,6 +398,30 @@ class LayerStorage:
         return total
 
     # ── mutations (validated by the caller) ──
+
+    def plain_rows(self) -> bool:
+        """Whether a row appends as one slice store per side: an F32/f16/bf16
+        storage whose heads all hold the same count (:meth:`append_row`)."""
+        if self.mode.quantized:
+            return False
+        lens = self.lens.tolist()
+        return lens.count(lens[0]) == len(lens)
+
+    @_writes
+    def append_row(self, k: np.ndarray, v: np.ndarray) -> None:
+        """One row ``[nkv, hd]`` float32 on every head of a :meth:`plain_rows`
+        storage: the bits :meth:`append` stores for it."""
+        at = int(self.lens[0])
+        if at >= self.cap or self.seq_len >= self._imp.shape[0]:
+            self.reserve(max(at, self.seq_len) + 1)
+        if self.mode.half:
+            k, v = to_half(k, self.mode.float_dtype), to_half(v, self.mode.float_dtype)
+        self.k[:, at] = k
+        self.v[:, at] = v
+        self.lens += 1
+        self._imp[self.seq_len] = 0.0
+        self.seq_len += 1
+        self._touch()
 
     @_writes
     def append(self, rows: dict, heads: np.ndarray, n: int, exact: dict | None = None) -> None:
