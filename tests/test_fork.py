@@ -57,9 +57,14 @@ def _mutate(lay: LayerKvCache, op: str, rng) -> None:
         lay.evict_born(max(lay.seq_len - 5, 2), 1, 1)
     elif op == "clear":
         lay.clear()
+    elif op == "import":       # a wire import replaces every row
+        other = LayerKvCache(NKV, HD, lay.mode, lay.backend)
+        k, v = _rows(rng, 7)
+        other.extend(k.reshape(7, NKV, HD), v.reshape(7, NKV, HD), layout="nhd")
+        lay.import_wire(other.export_wire())
 
 
-OPS = ["append", "extend", "attend", "truncate", "trim", "evict", "evict_born", "clear"]
+OPS = ["append", "extend", "attend", "truncate", "trim", "evict", "evict_born", "clear", "import"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
