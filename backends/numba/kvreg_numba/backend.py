@@ -91,7 +91,7 @@ class _BatchRows:
     def table(self, kvs, fields):
         k = self._k
         out = []
-        keep = []  # the normalized arrays (views of the storage's own) stay alive for the call
+        keep = []  # arrays normalized by a copy stay alive for the call
         rows = self._rows
         get = operator.attrgetter(*fields)
         for kv in kvs:
@@ -106,22 +106,30 @@ class _BatchRows:
                         break
                 else:
                     out.append(hit[1])
-                    keep.append(hit[2])
                     continue
             out.append(self._build(arrs, fields, keep))
         return np.array(out), keep
 
     def _build(self, arrs, fields, keep):
+        """A row built from the arrays themselves (cached: it points into
+        them) or, where normalizing one took a copy, from the copies (kept
+        for the call, not cached)."""
         k = self._k
-        norm = k.batch_arrays(**{f: a for f, a in zip(fields, arrs) if a is not None})
+        present = {f: a for f, a in zip(fields, arrs) if a is not None}
+        norm = k.batch_arrays(**present)
         row = k.batch_row(*norm)
-        keep.append(norm)
+        copied = any(k.batch_row_address(row, f) != a.ctypes.data for f, a in present.items()
+                     if a.size and f in k.BT_SLOTS_OF)
+        if copied:
+            keep.append(norm)
+            return row
         try:
             refs = tuple(_NONE_REF if a is None else weakref.ref(a) for a in arrs)
         except TypeError:  # not weakly referable: no caching
+            keep.append(norm)
             return row
         key = id(arrs[0])
-        self._rows[key] = (refs, row, norm)
+        self._rows[key] = (refs, row)  # no strong reference: the entry goes with the array
         weakref.finalize(arrs[0], self._rows.pop, key, None)
         return row
 

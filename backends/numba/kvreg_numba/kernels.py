@@ -1536,6 +1536,15 @@ def batch_arrays(*, k=None, kq=None, ks=None, kcol=None, v=None, vq=None, vs=Non
 #: The row of a sequence with no storage: no arrays (its heads have no rows).
 EMPTY_ROW = np.zeros(BT_COLS, np.int64)
 
+#: The batch-row slot of each storage array name (:func:`batch_arrays`' keywords).
+BT_SLOTS_OF = {"k": _BT_KF, "kq": _BT_KQ, "ks": _BT_KS, "kcol": _BT_KCOL, "v": _BT_VF, "vq": _BT_VQ,
+               "vs": _BT_VS, "vcol": _BT_VCOL, "xk": _BT_XK, "xv": _BT_XV, "thk": _BT_THK, "thv": _BT_THV}
+
+
+def batch_row_address(row, name):
+    """The address a batch row holds for the storage array ``name``."""
+    return int(row[BT_SLOTS_OF[name]])
+
 
 def attend_batch(q, tab, *, lens, kquant, vquant, kv_dtype=np.float32, xlen=None, b8=None, kcol_set=None,
                  vcol_set=None, imps=None, scale, window=0, softcap=0.0, sinks=None, block=None, out=None):

@@ -139,3 +139,29 @@ def test_empty_batch_and_refusals():
         be.attend_batch(np.zeros((2, NH, HD), np.float32), [a, b.storage.view()], scale=0.1)
     with pytest.raises(ValueError):
         be.attend_batch(np.zeros((3, NH, HD), np.float32), [a, a], scale=0.1)
+
+
+@pytest.mark.parametrize("mode", ["f32", "f16", "q8"])
+def test_cached_rows_follow_a_reallocation_and_keep_nothing_alive(mode):
+    import gc
+    import weakref
+
+    rng = np.random.default_rng(6)
+    be = NumbaBackend()
+    lay = kvreg.LayerKvCache(NKV, HD, mode, backend="numba")
+    for _ in range(5):
+        lay.append(rng.standard_normal((NKV, HD)).astype(np.float32), rng.standard_normal((NKV, HD)).astype(np.float32))
+    q = rng.standard_normal((1, NH, HD)).astype(np.float32)
+    kv = lay.storage.view()
+    be.attend_batch(q, [kv], scale=0.1)
+    old = weakref.ref((kv.k if kv.k is not None else kv.kq).base)
+    cap = kv.cap
+    while lay.storage.view().cap == cap:  # grow until the storage reallocates
+        lay.append(rng.standard_normal((NKV, HD)).astype(np.float32),
+                   rng.standard_normal((NKV, HD)).astype(np.float32))
+    del kv
+    kv = lay.storage.view()
+    got = be.attend_batch(q, [kv], scale=0.1)
+    assert (_bits(got[0]) == _bits(be.attend_layer(q[0], kv, scale=0.1))).all()
+    gc.collect()
+    assert old() is None  # the batch rows held no reference to the old blocks

@@ -36,6 +36,8 @@ the per-sequence loop too.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from . import config, programs
@@ -142,7 +144,7 @@ class BatchBuffers:
             slot = self.slots[s]
             if not ok:
                 continue
-            same = slot.mirror is m and owns(slot.owner, kv.owner)
+            same = slot.mirror is not None and slot.mirror() is m and owns(slot.owner, kv.owner)
             if same and slot.version == kv.version:
                 continue
             lens = np.asarray(kv.lens, dtype=np.int64)
@@ -170,7 +172,7 @@ class BatchBuffers:
                 self._copy_whole(m.thk, "thk", s, nkv * wcap * hd * 2)
                 self._copy_whole(m.thv, "thv", s, nkv * wcap * hd * 2)
                 self._copy_whole(m.b8_buf, "b8", s, nkv * 4)
-            slot.mirror = m
+            slot.mirror = weakref.ref(m)  # a dropped layer's mirror is not kept alive here
             if not same:
                 slot.owner = owner_ref(kv.owner)
             slot.version = kv.version
