@@ -422,7 +422,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             if st.window:
                 # q8: the rows join the float16 window; those it pushes out are
                 # quantized from their float16 value (one call per side, every head).
-                kh, vh = _basis(st.rot_k, kh), _basis(st.rot_v, vh)
+                if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
+                    kh, vh = fwht(np.stack((kh, vh)))
+                else:
+                    kh, vh = _basis(st.rot_k, kh), _basis(st.rot_v, vh)
                 if t:
                     exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
                 st.reserve(int(st.lens[heads].max()) + n)
