@@ -5,28 +5,32 @@ set of buffers laid out ``[nkv, cap, ...]``; OpenCL 1.2 has no arrays of
 buffers, so ``B`` sequences' rows, each in its own layer mirror
 (:class:`~kvreg_opencl.mirror.DeviceMirror`, its own capacity), cannot be
 handed to one launch as they are. A :class:`BatchBuffers` holds the batch's
-rows assembled ``[B * nkv, cap, ...]`` (sequence ``b``'s head ``h`` is
-storage head ``b * nkv + h``), and the kernels take ``tg = nkv``: token
-``t`` of the launch is sequence ``t`` and reads storage heads ``[t * nkv,
-(t + 1) * nkv)``. Nothing else of the arithmetic changes (the same
-``partial_*``, ``merge``, ``probs`` programs, blocks anchored at ``first``,
-the same work-group size and heads per work-group), so row ``b`` is the
-bits of ``attend_layer`` on sequence ``b``.
+rows assembled in slots, ``[slots * nkv, cap, ...]`` (slot ``s``'s head
+``h`` is storage head ``s * nkv + h``), and the kernels take ``tg = nkv``
+and ``tslot``: token ``t`` of the launch is sequence ``t`` and reads the
+heads of slot ``tslot[t]``. Nothing else of the arithmetic changes (the
+same ``partial_*``, ``merge``, ``probs`` programs, blocks anchored at
+``first``, the same work-group size and heads per work-group), so row ``b``
+is the bits of ``attend_layer`` on sequence ``b``.
 
-The batch rows are filled with device-side copies from the layer mirrors,
+The slots are filled with device-side copies from the layer mirrors,
 incrementally: each mirror is synced first (uploading only what changed on
-the host, as ``attend_layer`` does), then each slot copies, per head, only
-the rows ``[floor, lens)`` its copy lacks, the floor found as a mirror's is
+the host, as ``attend_layer`` does), then each sequence's slot (found again
+by its storage, whatever its place in this batch) copies, per head, only
+the rows ``[floor, lens)`` it lacks, the floor found as a mirror's is
 (``KvView.unchanged_rows`` of the version the slot copied, the same owner
 and the same mirror); a windowed q8 side's int8 rows go over ``[min(floor,
 b8 copied), b8)``, and the small arrays (fields, exact rows, the float16
 windows and their bounds) are copied whole whenever the slot's version
-moved. A decode step of a steady batch then moves one row per head and
-sequence on the device. The cost: the batch's rows are held twice on the
-device (mirrors and batch), and a step takes a few copy enqueues per
-sequence (host-side, ~10 µs each under PoCL) besides the attention's four
-launches (partial, merge, and with importance probs and importance_batch:
-each one enqueue for the whole batch).
+moved. A decode step then moves one row per head and sequence on the
+device, and a sequence joining or leaving the batch costs the others
+nothing. The costs: the batch's rows are held twice on the device (mirrors
+and slots, every slot at the longest sequence's capacity); a step takes a
+few copy enqueues per sequence (host-side, ~10 µs each under PoCL) besides
+the attention's launches (partial, merge, and with importance probs and
+importance_batch: each one enqueue for the whole batch); a longer
+sequence or a bigger batch than the slots hold reallocates them (doubling)
+and copies every sequence again.
 
 Every non-q4 mode is batched (F32, F16, BF16, Q8, Q8K, Q8V and the 2f
 modes); q4 takes the reference's loop (as its attend_layer does). A batch
@@ -49,23 +53,30 @@ class _Slot:
     __slots__ = ("mirror", "owner", "version", "lens", "b8")
 
     def __init__(self):
-        self.mirror = None
-        self.owner = None
+        self.mirror = None  # weakref to the layer mirror copied from
+        self.owner = None   # weakref to the storage owner
         self.version = None
         self.lens = None
         self.b8 = None
 
+    def holds(self, kv, m) -> bool:
+        """Whether this slot last copied ``kv``'s storage from mirror ``m``."""
+        return self.mirror is not None and self.mirror() is m and owns(self.owner, kv.owner)
+
 
 class BatchBuffers:
-    """The assembled rows of a batch of ``nslots`` sequences (one per
-    device, reused by the next batch of the same layout)."""
+    """The assembled rows of a batch (one set per device): ``nslots`` slots
+    of ``nkv`` heads, a slot per sequence, found again by the sequence's
+    storage (its owner) at the next call whatever its place in the batch,
+    so sequences that join or leave a batch cost the others nothing."""
 
     def __init__(self, dev):
         self.dev = dev
-        self.key = None  # (nslots, nkv, hd, row shapes, xcap, wcap)
+        self.key = None  # (nkv, hd, row shapes, xcap, wcap)
         self.cap = 0
         self.buffers: dict[str, object] = {}
         self.slots: list[_Slot] = []
+        self._where: dict[int, int] = {}  # id(owner) -> slot
         self.rows_copied = 0  # head-rows copied device to device (tests)
         self.full_copies = 0
 
@@ -91,6 +102,7 @@ class BatchBuffers:
         self.key = key
         self.cap = cap
         self.slots = [_Slot() for _ in range(nslots)]
+        self._where = {}
 
     def _copy_rows(self, m, s, name, lo, hi, nkv):
         """Rows ``[lo[h], hi[h])`` of every head of mirror ``m``'s ``name``
@@ -122,9 +134,39 @@ class BatchBuffers:
         self.dev.cl.enqueue_copy(self.dev.queue, self.buffers[name], src, byte_count=nbytes,
                                  src_offset=0, dst_offset=s * nbytes)
 
-    def fill(self, kvs, mirrors, live) -> bool:
-        """Make the batch hold every live sequence's rows; False when the
-        mirrors disagree on layout (the caller loops instead)."""
+    def _assign(self, kvs, mirrors, live) -> list[int]:
+        """A slot per live sequence: the one that holds its storage when
+        there is one (and no other sequence of this call took it), else a
+        free one, preferring slots whose storage is gone. -1: none left."""
+        out = [-1] * len(kvs)
+        taken = set()
+        for b, (kv, m, ok) in enumerate(zip(kvs, mirrors, live)):
+            if not ok or kv.owner is None:
+                continue
+            s = self._where.get(id(kv.owner))
+            if s is not None and s not in taken and self.slots[s].holds(kv, m):
+                out[b] = s
+                taken.add(s)
+        free = [s for s in range(len(self.slots)) if s not in taken]
+        free.sort(key=lambda s: self.slots[s].owner is not None and self.slots[s].owner() is not None)
+        free.reverse()  # pop() takes the slots whose storage is gone first
+        for b, ok in enumerate(live):
+            if ok and out[b] < 0:
+                if not free:
+                    return None
+                s = free.pop()
+                out[b] = s
+                old = self.slots[s]
+                o = None if old.owner is None else old.owner()
+                if o is not None and self._where.get(id(o)) == s:
+                    del self._where[id(o)]
+                self.slots[s] = _Slot()
+        return out
+
+    def fill(self, kvs, mirrors, live):
+        """Make the batch hold every live sequence's rows: the slot of each
+        sequence (0 for one with no rows), or None when the mirrors disagree
+        on layout (the caller loops instead)."""
         ms = [m for m, ok in zip(mirrors, live) if ok]
         m0 = ms[0]
         nkv, hd = m0.nkv, m0.hd
@@ -133,18 +175,27 @@ class BatchBuffers:
         for m in ms[1:]:
             if m.row_shapes != shapes or m.nkv != nkv or m.hd != hd or m.xcap != xcap or m.wcap != wcap \
                     or (m.kcol is None) != (m0.kcol is None) or (m.vcol is None) != (m0.vcol is None):
-                return False
-        nslots = len(kvs)
+                return None
         need = max(int(np.asarray(kv.lens).max(initial=0)) for kv, ok in zip(kvs, live) if ok)
-        key = (nslots, nkv, hd, tuple(sorted((k, v[0], v[1].str) for k, v in shapes.items())), xcap, wcap)
-        if key != self.key or need > self.cap:
-            cap = max(config.MIRROR_MIN_ROWS, 1 << max(0, need - 1).bit_length(), self.cap if key == self.key else 0)
+        key = (nkv, hd, tuple(sorted((k, v[0], v[1].str) for k, v in shapes.items())), xcap, wcap)
+        slots = None
+        if key == self.key and need <= self.cap:
+            slots = self._assign(kvs, mirrors, live)
+        if slots is None:  # (re)allocate: room for the batch (a power of two of slots), every slot fresh
+            nslots = max(len(self.slots) if key == self.key else 1, 1 << max(0, len(kvs) - 1).bit_length())
+            while nslots < len(kvs):
+                nslots *= 2
+            cap = max(config.MIRROR_MIN_ROWS, 1 << max(0, need - 1).bit_length(),
+                      self.cap if key == self.key else 0)
             self._alloc(key, nslots, nkv, hd, shapes, xcap, wcap, cap)
-        for s, (kv, m, ok) in enumerate(zip(kvs, mirrors, live)):
-            slot = self.slots[s]
+            slots = self._assign(kvs, mirrors, live)
+        for b, (kv, m, ok) in enumerate(zip(kvs, mirrors, live)):
             if not ok:
+                slots[b] = 0
                 continue
-            same = slot.mirror is not None and slot.mirror() is m and owns(slot.owner, kv.owner)
+            s = slots[b]
+            slot = self.slots[s]
+            same = slot.holds(kv, m)
             if same and slot.version == kv.version:
                 continue
             lens = np.asarray(kv.lens, dtype=np.int64)
@@ -175,10 +226,12 @@ class BatchBuffers:
             slot.mirror = weakref.ref(m)  # a dropped layer's mirror is not kept alive here
             if not same:
                 slot.owner = owner_ref(kv.owner)
+                if slot.owner is not None:
+                    self._where[id(kv.owner)] = s
             slot.version = kv.version
             slot.lens = lens.copy()
             slot.b8 = np.array(b8, dtype=np.int64)
-        return True
+        return slots
 
 
 _batches: dict[int, BatchBuffers] = {}
@@ -209,7 +262,8 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     mirrors = [backend.mirror(kv) if ok else None for kv, ok in zip(kvs, live)]
     dev = backend._dev
     bb = batch_buffers(dev)
-    if not bb.fill(kvs, mirrors, live):
+    slots = bb.fill(kvs, mirrors, live)
+    if slots is None:
         return None
     m0 = next(m for m in mirrors if m is not None)
     nkv = m0.nkv
@@ -236,6 +290,7 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     cl = dev.cl
     bufs = bb.buffers
     q_buf = sc.put("q", np.ascontiguousarray(q, dtype=np.float32))
+    ts_buf = sc.put("tslot", np.asarray(slots, dtype=np.int32))
     nl_buf = sc.put("nlim", nlim)
     fi_buf = sc.put("firsts", firsts)
     pm = sc.get("pm", B * nq * nblk * 4)
@@ -255,7 +310,7 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     launch_partial(dev, prg, (m0.k_quant, m0.v_quant), q_buf, row_bufs, kcol, vcol, nl_buf, fi_buf,
                    g0=0, ng=nkv, cap=bb.cap, hd=hd, hpk=hpk, hc=hc, br=br, nblk=nblk, T=B, scale=scale,
                    softcap=softcap, pm=pm, ps=ps, pacc=pacc, scores=sc_buf, sstride=sstride,
-                   want_scores=want_imp, exact=exact, kv_dtype=m0.kv_dtype, window=win, tg=nkv)
+                   want_scores=want_imp, exact=exact, kv_dtype=m0.kv_dtype, window=win, tg=nkv, tslot=ts_buf)
     has_sinks = sinks is not None
     sk_buf = sc.put("sinks", np.ascontiguousarray(sinks, dtype=np.float32).reshape(B * nq)) if has_sinks else d
     out_buf = sc.get("out", B * nq * hd * 4)
@@ -264,7 +319,7 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
         queue, (hd, nq, B), None,
         pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks), np.int32(nq),
         vcol, np.int32(m0.v_quant), np.int32(0), np.int32(nkv), np.int32(hd),
-        np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(nkv), out_buf, mz,
+        np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(nkv), ts_buf, out_buf, mz,
     )
     if want_imp:
         programs.kernel(prg, "probs")(queue, (sstride, nq, B), None, sc_buf, mz, nl_buf, fi_buf,

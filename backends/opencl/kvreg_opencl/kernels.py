@@ -85,7 +85,7 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
                    nl_buf, fi_buf, *, g0: int, ng: int, cap: int, hd: int, hpk: int, hc: int,
                    br: int, nblk: int, T: int, scale: float, softcap: float, pm, ps, pacc,
                    scores, sstride: int, want_scores: bool, exact=None, kv_dtype=None,
-                   window=None, tg: int = 0) -> None:
+                   window=None, tg: int = 0, tslot=None) -> None:
     """One launch of ``partial_*`` (attend.cl) over row buffers ``bufs``
     (``k``/``kq``/``ks``/``v``/``vq``/``vs`` laid out ``[nkv, cap, ...]``):
     writes the block states ``pm``/``ps``/``pacc`` of every token and head.
@@ -96,10 +96,10 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
     ``window``: ``(thk, thv, b8, wcap)`` device buffers of the q8 float16
     windows (binary16 ``[nkv, wcap, hd]``; None for an unquantized side) and
     their bounds (int32 ``[nkv]``), or None. ``tg``: storage heads per
-    token: 0 when every token reads the heads ``[g0, g0+ng)`` (a decode, a
-    prefill chunk), ``nkv`` when token ``t`` is sequence ``t`` of a batch
-    whose layers sit one after another in the buffers
-    (:mod:`kvreg_opencl.batch`)."""
+    batch slot: 0 when every token reads the heads ``[g0, g0+ng)`` (a
+    decode, a prefill chunk), ``nkv`` when token ``t`` is a sequence of a
+    batch whose layers sit one after another in the buffers, in slot
+    ``tslot[t]`` (an int32 ``[T]`` buffer; :mod:`kvreg_opencl.batch`)."""
     cl = dev.cl
     d = scratch(dev).dummy
     kern = programs.kernel(prg, partial_variant(quant, kv_dtype))
@@ -124,6 +124,7 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
         np.int32(wcap), nl_buf, fi_buf,
         np.int32(g0), np.int32(ng), np.int32(cap), np.int32(hd),
         np.int32(hpk), np.int32(hc), np.int32(br), np.int32(nblk), np.int32(tg),
+        tslot if tslot is not None else d,
         np.float32(scale), np.float32(softcap),
         pm, ps, pacc, scores, np.int32(sstride), np.int32(want_scores),
         cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
@@ -205,7 +206,7 @@ def _attend_rows(
         queue, (hd, nq, T), None,
         pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks), np.int32(0),
         vcol, np.int32(mirror.v_quant), np.int32(g0), np.int32(ng), np.int32(hd),
-        np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(0), out_buf, mz,
+        np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(0), d, out_buf, mz,
     )
     probs = None
     if want_scores:

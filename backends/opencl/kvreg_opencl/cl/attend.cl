@@ -61,7 +61,8 @@
     __global const int *firsts,     /* [T, ng] first visible row          */ \
     const int g0, const int ng, const int cap, const int hd,                 \
     const int hpk, const int hc, const int br, const int nblk,               \
-    const int tg,                   /* storage heads per token (batch)    */ \
+    const int tg,                   /* storage heads per slot (batch)     */ \
+    __global const int *tslot,      /* [T] batch slot of token t (tg > 0) */ \
     const float scale, const float softcap,                                  \
     __global float *pm,             /* [T, nq, nblk] block max            */ \
     __global float *ps,             /* [T, nq, nblk] block sum of exp     */ \
@@ -74,7 +75,7 @@
     __local float *vloc             /* [R * hc * hd] value-pass lanes     */
 
 #define KV_PASS q, k, kq, ks, kcol, v, vq, vs, xk, xv, xlen, xcap, thk, thv, b8, wcap, nlim, firsts, g0, ng, cap, hd,  \
-    hpk, hc, br, nblk, tg, scale, softcap, pm, ps, pacc, scores, sstride,         \
+    hpk, hc, br, nblk, tg, tslot, scale, softcap, pm, ps, pacc, scores, sstride,         \
     want_scores, qloc, sloc, mloc, vloc
 
 /* Element layout of the unquantized K/V buffers (KH): f32, binary16, bfloat16. */
@@ -178,9 +179,10 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     const int hcnt = min(hc, hpk - hbeg);
     const int t = get_global_id(2);
     /* the storage head: tg = 0 when every token reads one layer's rows (a
-     * decode, a prefill chunk), tg = nkv when token t is sequence t of a
-     * batch whose layers sit one after another in the buffers */
-    const int g = g0 + gl + t * tg;
+     * decode, a prefill chunk); tg = nkv when token t is a sequence of a
+     * batch whose layers sit one after another in the buffers, sequence t
+     * in slot tslot[t] */
+    const int g = g0 + gl + (tg ? tslot[t] * tg : 0);
     const int n = nlim[t * ng + gl];
     const int first = firsts[t * ng + gl];
     const int row0 = first + b * br;
@@ -373,10 +375,11 @@ __kernel void merge(__global const float *pm, __global const float *ps,
                     __global const float *sinks,     /* [nq], or [T, nq] with sink_t = nq */
                     const int has_sinks,
                     const int sink_t,
-                    __global const float *vcol,      /* [nkv, hd], or [T * tg, hd] */
+                    __global const float *vcol,      /* [nkv, hd], or [slots * tg, hd] */
                     const int use_vcol,
                     const int g0, const int ng, const int hd, const int hpk,
                     const int br, const int nblk, const int tg,
+                    __global const int *tslot,       /* [T] (tg > 0) */
                     __global float *out,             /* [T, nq, hd] */
                     __global float *mz)              /* [T, nq, 2] */
 {
@@ -419,7 +422,7 @@ __kernel void merge(__global const float *pm, __global const float *ps,
         if (has_sinks) z += exp(sinks[t * sink_t + qh] - m);
     }
     float r = (z > 0.0f || isnan(z)) ? acc / z : 0.0f;
-    if (use_vcol) r *= vcol[(size_t)(g0 + gl + t * tg) * hd + d];
+    if (use_vcol) r *= vcol[(size_t)(g0 + gl + (tg ? tslot[t] * tg : 0)) * hd + d];
     out[o * hd + d] = r;
     if (d == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
 }
