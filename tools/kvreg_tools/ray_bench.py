@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main(argv=None) -> int:
                          _med(imp), _med(hand)))
             del cache, blob
     ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)
 
     print(f"\nmodel {args.model}: {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x "
           f"head_dim {head_dim}; f32 K+V = {f32_per_token} bytes/token; repeats {args.repeats}; "
