@@ -31,7 +31,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import threads_for
+from kvreg.threads import chosen_threads
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -1393,23 +1393,25 @@ def _start_threading_layer() -> None:
 
 
 @contextmanager
-def thread_budget(nbytes):
-    """Run the parallel kernels inside on kvreg's thread budget
-    (:func:`kvreg.threads.threads_for` of the ``nbytes`` of K/V rows they
-    read: one thread for small work). ``numba.set_num_threads`` is per
-    calling thread, so a host's own numba code keeps its setting. The bits
-    do not depend on the count (every reduction has a fixed order)."""
+def thread_budget(nbytes, kind="decode"):
+    """Run the parallel kernels inside on kvreg's thread budget for a call
+    reading ``nbytes`` of K/V rows (:func:`kvreg.threads.chosen_threads`:
+    one thread for small work; under the default budget, the faster of one
+    thread and the budget, measured per ``kind`` of call). numba's
+    ``set_num_threads`` is per calling thread, so a host's own numba code
+    keeps its setting. The bits do not depend on the count (every reduction
+    has a fixed order)."""
     _start_threading_layer()
-    want = max(1, min(threads_for(int(nbytes)), numba.config.NUMBA_NUM_THREADS))
-    old = numba.get_num_threads()
-    if want == old:
-        yield
-        return
-    numba.set_num_threads(want)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(old)
+    with chosen_threads(int(nbytes), "numba." + kind, cap=numba.config.NUMBA_NUM_THREADS) as want:
+        old = numba.get_num_threads()
+        if want == old:
+            yield
+            return
+        numba.set_num_threads(want)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(old)
 
 
 def _rows_bytes(firsts, ns, hd, k, v):
@@ -1584,7 +1586,7 @@ def attend_batch(q, tab, *, lens, kquant, vquant, kv_dtype=np.float32, xlen=None
     like = _KIND_LIKE[kdt]
     sk = _EMPTY_F2 if sinks is None else _c(sinks, np.float32).reshape(B, nh)
     buf = _scratch(ntask * hpk * (block + 3 + hd) + B * nh * hd)
-    with thread_budget(rows * hd * isz):
+    with thread_budget(rows * hd * isz, "batch"):
         old = set_parallel_chunksize(config.TASK_CHUNK)
         try:
             attend_batch_kernel(q, hpk, tab, imptab, lens,
@@ -1649,7 +1651,7 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
             khi = s0 + i0 + bt
             panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
             S = _gemm_fixed(panel, k[g, klo:khi].T)
-            with thread_budget(S.nbytes):
+            with thread_budget(S.nbytes, "chunk"):
                 chunk_softmax(S, scale, s0, i0, bt, klo, w)
             vt = v[g, klo:khi]
             if _all_finite(vt):

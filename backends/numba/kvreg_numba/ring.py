@@ -189,7 +189,7 @@ def bounded_attend(q32, ring_k, ring_v, seen, sk, sv, gws, rope, scale, *, block
     tcos = buf[:table].reshape(n_max, half)
     tsin = buf[table:2 * table].reshape(n_max, half)
     out = np.empty((nh, hd), np.float32)
-    with thread_budget(int((n_max - firsts).sum()) * hd * 8):  # K and V ring rows read
+    with thread_budget(int((n_max - firsts).sum()) * hd * 8, "ring"):  # K and V ring rows read
         _ring_tables(np.cos(a), np.sin(a), c0, s0, n_max, tcos, tsin)
         bounded_kernel(q32, np.ascontiguousarray(qcos[0]), np.ascontiguousarray(qsin[0]),
                        np.ascontiguousarray(ring_k), np.ascontiguousarray(ring_v), start, n_max,

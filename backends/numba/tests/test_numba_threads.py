@@ -84,3 +84,21 @@ def test_the_first_decode_leaves_torchs_thread_count_as_the_host_set_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "1"
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
+def test_under_the_default_budget_the_count_measured_faster_runs(monkeypatch):
+    import time
+
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    monkeypatch.setattr(threads, "_choosers", {})
+    ch = threads.chooser("numba.decode")
+    now = time.monotonic()
+    # two threads measured 50x slower (busy neighbours), probed a moment ago
+    ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}
+    with K.thread_budget(1 << 30):
+        assert numba.get_num_threads() == 1
+    ch.cost[2] = 0.5                       # quiet again (a probe said so)
+    with K.thread_budget(1 << 30):
+        assert numba.get_num_threads() == 2
+    assert ch.last[2] > now                # the call was timed for the chooser
