@@ -93,9 +93,10 @@ def _writes(method):
 class LayerStorage:
     """Rows of one layer in the layout of docs/kernels.md.
 
-    :meth:`fork` shares the row arrays (``KV_ARRAYS``) copy-on-write: the
-    first write of any holder while others hold them copies them (once);
-    counts, importance and the change log are the fork's own from the start.
+    :meth:`fork` shares the rows copy-on-write (page by page through a
+    snapshot for large layers, the arrays until the first write for small
+    ones); counts, importance and the change log are the fork's own from the
+    start.
     """
 
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int = 0):
@@ -207,37 +208,46 @@ class LayerStorage:
 
     def copy(self) -> "LayerStorage":
         """A storage holding its own copy of every row (a deep copy)."""
-        new = self.fork(pages=False)
-        new._own()
+        new = self._shallow()
+        for name in KV_ARRAYS:
+            a = getattr(self, name)
+            setattr(new, name, None if a is None else a.copy())
+        new._snap, new._rows, new._blocks, new._view = None, _Rows(new), None, None
         return new
 
-    def fork(self, pages: bool = True) -> "LayerStorage":
+    def fork(self) -> "LayerStorage":
         """A storage holding the same rows, sharing them copy-on-write.
 
-        Large row blocks are shared at the page level (:mod:`kvreg._snapshot`:
-        each holder maps one frozen copy privately, so forks decoding on
-        keep sharing every row nobody rewrote); small ones, or where the
-        platform cannot, share the arrays until either side writes."""
-        new = copy.copy(self)   # every attribute shared, then the small mutable ones made its own
-        for name, val in vars(self).items():
-            if isinstance(val, np.ndarray) and name not in KV_ARRAYS:
-                setattr(new, name, val.copy())
-        new._floors = deque(self._floors, maxlen=_FLOOR_LOG)
-        if pages and _snapshot.AVAILABLE and self.cap and self._block_bytes() >= _snapshot.MIN_BYTES:
-            for name in KV_ARRAYS:   # the per-head blocks (windows, tiers, fields, exact rows): small, copied
+        Large row blocks, and every block of a storage that already maps a
+        snapshot, are shared at the page level (:mod:`kvreg._snapshot`: each
+        holder maps one frozen copy privately, so forks decoding on keep
+        sharing every row nobody rewrote); small ones, or where the platform
+        cannot, share the arrays themselves until either side writes. The
+        two never mix: holders of shared arrays are never snapshot holders."""
+        new = self._shallow()
+        if self._snap is not None or (_snapshot.AVAILABLE and self.cap
+                                      and self._block_bytes() >= _snapshot.MIN_BYTES):
+            blocks = self.block_names()
+            for name in KV_ARRAYS:   # the per-head arrays (windows, tiers, fields, exact rows): small, copied
                 a = getattr(self, name)
-                if a is not None and name not in self.block_names():
+                if a is not None and name not in blocks:
                     setattr(new, name, a.copy())
             try:
                 snap = self._snap if self._snap is not None and self._snap.version == self.version else self._snapshot()
                 new._install(snap)
-            except OSError:   # out of file descriptors or mappings: a copy of its own
-                new._snap = None
-                for name in KV_ARRAYS:
-                    a = getattr(self, name)
-                    setattr(new, name, None if a is None else a.copy())
-                new.cap, new._blocks, new._view = self.cap, None, None
+            except OSError:   # out of file descriptors or mappings: rows of its own
+                return self.copy()
         self._rows.holders.add(new)
+        new._rows = self._rows
+        return new
+
+    def _shallow(self) -> "LayerStorage":
+        """Every attribute shared, then the small mutable ones made its own."""
+        new = copy.copy(self)
+        for name, val in vars(self).items():
+            if isinstance(val, np.ndarray) and name not in KV_ARRAYS:
+                setattr(new, name, val.copy())
+        new._floors = deque(self._floors, maxlen=_FLOOR_LOG)
         return new
 
     def _block_bytes(self) -> int:
@@ -246,6 +256,9 @@ class LayerStorage:
     def _snapshot(self) -> "_snapshot.Snapshot":
         """Move this storage's row blocks into a fresh snapshot it maps (a
         new capacity: room for a fork to decode on)."""
+        if len(self._rows.holders) > 1:   # holders sharing its arrays keep them, and their identity
+            self._rows.holders.discard(self)
+            self._rows = _Rows(self)
         n = int(self.lens.max(initial=0))
         cap = max(self.cap, 2 * n, n + 4096)
         snap = _snapshot.Snapshot({b: getattr(self, b) for b in self.block_names()}, self.lens, cap, 0,

@@ -69,11 +69,13 @@ OPS = ["append", "extend", "attend", "truncate", "trim", "evict", "evict_born", 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["f32", "f16", "q8", "q4"])
-@pytest.mark.parametrize("sharing", ["pages", "arrays"])
+@pytest.mark.parametrize("sharing", ["pages", "arrays", "mixed"])
 def test_forks_and_parent_mutated_in_random_order_match_deep_copies(backend, mode, sharing, monkeypatch):
     # pages: every fork maps one snapshot (kvreg._snapshot); arrays: small
-    # layers (or no memfd) share the arrays until the first write
-    monkeypatch.setattr(kvreg._snapshot, "MIN_BYTES", 0 if sharing == "pages" else 1 << 62)
+    # layers (or no memfd) share the arrays until the first write; mixed:
+    # layers cross the threshold as they grow, so both kinds meet
+    threshold = {"pages": 0, "arrays": 1 << 62, "mixed": 32 << 10}[sharing]
+    monkeypatch.setattr(kvreg._snapshot, "MIN_BYTES", threshold)
     rng = np.random.default_rng(hash((backend, mode)) % 2**32)
     parent = _prompt(backend, mode, 48, seed=1)
     members = [parent] + [parent.fork() for _ in range(3)]
@@ -83,10 +85,14 @@ def test_forks_and_parent_mutated_in_random_order_match_deep_copies(backend, mod
     assert all(m.shared_bytes() > 0 for m in members)
     for step in range(40):
         i = int(rng.integers(len(members)))
-        op = OPS[int(rng.integers(len(OPS)))]
+        op = OPS[int(rng.integers(len(OPS)))] if step % 7 != 6 else "fork"
         seed = int(rng.integers(2**31))
-        _mutate(members[i], op, np.random.default_rng(seed))
-        _mutate(shadows[i], op, np.random.default_rng(seed))
+        if op == "fork":                       # a new member mid-way, and a deep copy of one
+            members += [members[i].fork(), copy.deepcopy(members[i])]
+            shadows += [copy.deepcopy(shadows[i]), copy.deepcopy(shadows[i])]
+        else:
+            _mutate(members[i], op, np.random.default_rng(seed))
+            _mutate(shadows[i], op, np.random.default_rng(seed))
         for j, (m, s) in enumerate(zip(members, shadows)):
             got, want = _state(m, q), _state(s, q)
             assert got[0] == want[0], f"step {step}: {op} on member {i} changed member {j}'s rows"
