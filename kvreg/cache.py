@@ -104,8 +104,8 @@ class KvCache:
 
     def fork(self) -> "KvCache":
         """A new sequence holding this one's rows copy-on-write, every layer
-        :meth:`LayerKvCache.fork`: ``N`` forks of a prompt hold its rows once
-        until each writes its own."""
+        :meth:`LayerKvCache.fork`: ``N`` forks of a prompt hold its rows
+        once while each decodes on (:func:`resident_bytes`)."""
         with self._all_layers_locked():
             new = object.__new__(KvCache)
             new.__dict__.update(self.__dict__)

@@ -261,12 +261,14 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     # ── copies ──
 
     def fork(self) -> "LayerKvCache":
-        """A new sequence holding this one's rows, copy-on-write: the rows
-        are held once until either side writes them (append, truncate, a
-        trim, eviction, the seal, clear), when the writer copies them, so the
-        other keeps its bits. Everything else (lengths, importance, sinks,
-        the seal's state, a bounded ring) is the fork's own. It answers as a
-        deep copy does, bit for bit, on the same backend."""
+        """A new sequence holding this one's rows, copy-on-write: rows are
+        held once, and a write of either side (append, truncate, a trim,
+        eviction, the seal, clear, an import) copies only what it touches
+        (the pages of a large layer's snapshot, a small layer's arrays), so
+        the other keeps its bits (:meth:`LayerStorage.fork
+        <kvreg.storage.LayerStorage.fork>`, docs/serving.md). Everything else
+        (lengths, importance, sinks, the seal's state, a bounded ring) is the
+        fork's own. It answers as a deep copy does, bit for bit."""
         return self._copy({}, share=True)
 
     def __deepcopy__(self, memo) -> "LayerKvCache":
