@@ -89,6 +89,33 @@ KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "ngk", "cap", "exact_c
              "rot_v") + KV_ARRAYS + KV_COUNTS + ("version", "reset_version", "log_start", "floors")
 
 
+def check_batch(q, kvs, imps) -> tuple[np.ndarray, list]:
+    """:meth:`Backend.attend_batch`'s arguments checked as a native kernel
+    needs them: ``q [B, nh, hd]`` float32 for ``B`` views of one mode,
+    ``num_kv_heads`` and ``head_dim`` (``nh`` a multiple of the KV heads), and
+    one accumulator entry per sequence when ``imps`` is given. Returns
+    ``(q, kvs)`` (a list; empty for an empty batch); a ShapeError otherwise."""
+    from .errors import ShapeError
+
+    kvs = list(kvs)
+    q = np.asarray(q, dtype=np.float32)
+    if q.ndim != 3 or q.shape[0] != len(kvs):
+        raise ShapeError(f"attend_batch: q must be [{len(kvs)}, nh, hd], got {q.shape}")
+    if imps is not None and len(imps) != len(kvs):
+        raise ShapeError(f"attend_batch: {len(imps)} importance accumulators for {len(kvs)} sequences")
+    if not kvs:
+        return q, kvs
+    kv0 = kvs[0]
+    mode, nkv, hd = kv0.mode, kv0.num_kv_heads, kv0.head_dim
+    for kv in kvs:
+        if kv.mode is not mode or kv.num_kv_heads != nkv or kv.head_dim != hd:
+            raise ShapeError("attend_batch: every sequence must share mode, num_kv_heads and head_dim "
+                             f"({kv.mode.value}/{kv.num_kv_heads}/{kv.head_dim} vs {mode.value}/{nkv}/{hd})")
+    if q.shape[2] != hd or q.shape[1] % nkv:
+        raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
+    return q, kvs
+
+
 class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
     """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
 

@@ -24,8 +24,9 @@ import weakref
 
 import numpy as np
 
-from kvreg.errors import BackendError, ShapeError
+from kvreg.errors import BackendError
 from kvreg.modes import KV_K_GROUP, KvMode
+from kvreg.plugin import check_batch
 from kvreg.reference import ReferenceBackend
 
 
@@ -208,25 +209,14 @@ class NumbaBackend(ReferenceBackend):
         kernel, merge and importance pass), so row ``b`` is the layer call's
         bits. q4 layers take the inherited per-sequence loop (their
         attend_layer is the reference's)."""
-        kvs = list(kvs)
-        q = np.asarray(q, dtype=np.float32)
-        if q.ndim != 3 or q.shape[0] != len(kvs):
-            raise ShapeError(f"attend_batch: q must be [{len(kvs)}, nh, hd], got {q.shape}")
-        if imps is not None and len(imps) != len(kvs):
-            raise ShapeError(f"attend_batch: {len(imps)} importance accumulators for {len(kvs)} sequences")
+        q, kvs = check_batch(q, kvs, imps)
         if not kvs:
             return np.zeros(q.shape, np.float32)
         kv0 = kvs[0]
-        mode, nkv, hd = kv0.mode, kv0.num_kv_heads, kv0.head_dim
-        for kv in kvs:
-            if kv.mode is not mode or kv.num_kv_heads != nkv or kv.head_dim != hd:
-                raise ShapeError("attend_batch: every sequence must share mode, num_kv_heads and head_dim "
-                                 f"({kv.mode.value}/{kv.num_kv_heads}/{kv.head_dim} vs {mode.value}/{nkv}/{hd})")
+        mode = kv0.mode
         if mode.tiered:
             return super().attend_batch(q, kvs, scale=scale, window=window, softcap=softcap, sinks=sinks,
                                         imps=imps)
-        if q.shape[2] != hd or q.shape[1] % nkv:
-            raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
         qk, qv = mode.quant_k, mode.quant_v
         if self._rows is None:
             self._rows = _BatchRows(self._k)

@@ -30,6 +30,7 @@ import numpy as np
 from kvreg.bounded import check_bounded_attend_args
 from kvreg.errors import BackendError, ShapeError
 from kvreg.modes import KvMode
+from kvreg.plugin import check_batch
 from kvreg.reference import ReferenceBackend
 
 from . import batch as _batch
@@ -158,22 +159,11 @@ class OpenCLBackend(ReferenceBackend):
         of each attention program (:mod:`kvreg_opencl.batch`), bit for bit
         :meth:`attend_layer` per sequence. q4, and a batch whose mirrors
         disagree on layout, take the per-sequence loop."""
-        kvs = list(kvs)
-        q = np.asarray(q, dtype=np.float32)
-        if q.ndim != 3 or q.shape[0] != len(kvs):
-            raise ShapeError(f"attend_batch: q must be [{len(kvs)}, nh, hd], got {q.shape}")
-        if imps is not None and len(imps) != len(kvs):
-            raise ShapeError(f"attend_batch: {len(imps)} importance accumulators for {len(kvs)} sequences")
+        q, kvs = check_batch(q, kvs, imps)
         if not kvs:
             return np.zeros(q.shape, np.float32)
         kv0 = kvs[0]
-        mode, nkv, hd = kv0.mode, kv0.num_kv_heads, kv0.head_dim
-        for kv in kvs:
-            if kv.mode is not mode or kv.num_kv_heads != nkv or kv.head_dim != hd:
-                raise ShapeError("attend_batch: every sequence must share mode, num_kv_heads and head_dim "
-                                 f"({kv.mode.value}/{kv.num_kv_heads}/{kv.head_dim} vs {mode.value}/{nkv}/{hd})")
-        if q.shape[2] != hd or q.shape[1] % nkv:
-            raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
+        mode = kv0.mode
         if not mode.tiered:
             if imps is not None:
                 for imp in imps:
