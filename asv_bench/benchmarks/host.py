@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -39,9 +40,18 @@ class SmallModelDecodeCall:
         self.step()
 
     def track_vs_bytes_plus_10us(self, name):
-        t = common.best_time(self.step)
-        floor = self.layer.memory_bytes() / (common.stream_bandwidth() * 1e9) + 10e-6
-        return t / floor
+        # 64 decode calls in a row (1024 -> 1088 rows), then the rows dropped
+        # outside the clock: the truncation is the benchmark's, not the call's
+        n, best = 64, float("inf")
+        for _ in range(15):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.layer.append(self.kv, self.kv)
+                self.layer.attend_layer(self.q)
+            best = min(best, (time.perf_counter() - t0) / n)
+            self.layer.truncate_last(n)
+        rows_bytes = self.layer.memory_bytes() * (1024 + n / 2) / 1024   # the calls' mean rows
+        return best / (rows_bytes / (common.stream_bandwidth() * 1e9) + 10e-6)
 
     track_vs_bytes_plus_10us.unit = "x (bytes at stream bandwidth + 10 us)"
 
