@@ -45,7 +45,7 @@ import weakref
 import numpy as np
 
 from . import config, programs
-from .kernels import _launch_lock, launch_partial, scratch, visible
+from .kernels import _launch_lock, launch_partial, partial_states, scratch, visible
 from .mirror import ROW_ARRAYS, owner_ref, owns
 
 
@@ -281,21 +281,16 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     smax = int(spans.max(initial=0))
     if smax == 0:
         return out
-    br = int(config.BLOCK_ROWS)
-    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
-    nblk = max(1, -(-smax // br))
     prg = programs.attend_program(dev)
     sc = scratch(dev)
     queue = dev.queue
     cl = dev.cl
     bufs = bb.buffers
+    br, hc, nblk, pm, ps, pacc = partial_states(sc, B, nq, hd, hpk, smax)
     q_buf = sc.put("q", np.ascontiguousarray(q, dtype=np.float32))
     ts_buf = sc.put("tslot", np.asarray(slots, dtype=np.int32))
     nl_buf = sc.put("nlim", nlim)
     fi_buf = sc.put("firsts", firsts)
-    pm = sc.get("pm", B * nq * nblk * 4)
-    ps = sc.get("ps", B * nq * nblk * 4)
-    pacc = sc.get("pacc", B * nq * nblk * hd * 4)
     want_imp = imps is not None and any(i is not None for i in imps)
     sstride = max(1, smax)
     sc_buf = sc.get("scores", B * nq * sstride * 4) if want_imp else sc.dummy

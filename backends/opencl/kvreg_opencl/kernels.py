@@ -139,6 +139,20 @@ def attend_rows(*args, **kwargs):
         return _attend_rows(*args, **kwargs)
 
 
+def partial_states(sc, T: int, nq: int, hd: int, hpk: int, smax: int):
+    """The block geometry of one attention launch over at most ``smax``
+    visible rows (rows per block, heads per work-group, blocks) and the
+    scratch buffers of its per-block partial states (``pm``, ``ps``, ``pacc``
+    for ``T`` tokens of ``nq`` heads): shared by the layer and batch calls."""
+    br = int(config.BLOCK_ROWS)
+    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
+    nblk = max(1, -(-smax // br))
+    pm = sc.get("pm", T * nq * nblk * 4)
+    ps = sc.get("ps", T * nq * nblk * 4)
+    pacc = sc.get("pacc", T * nq * nblk * hd * 4)
+    return br, hc, nblk, pm, ps, pacc
+
+
 def _attend_rows(
     mirror: DeviceMirror,
     q: np.ndarray,
@@ -171,19 +185,14 @@ def _attend_rows(
     firsts = np.ascontiguousarray(firsts, dtype=np.int32).reshape(T, ng)
     spans = np.where(nlim > 0, nlim - firsts, 0)
     smax = int(spans.max(initial=0))
-    br = int(config.BLOCK_ROWS)
-    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
-    nblk = max(1, -(-smax // br))
     prg = programs.attend_program(dev)
     sc = scratch(dev)
     queue = dev.queue
+    br, hc, nblk, pm, ps, pacc = partial_states(sc, T, nq, hd, hpk, smax)
 
     q_buf = sc.put("q", np.ascontiguousarray(q, dtype=np.float32))
     nl_buf = sc.put("nlim", nlim)
     fi_buf = sc.put("firsts", firsts)
-    pm = sc.get("pm", T * nq * nblk * 4)
-    ps = sc.get("ps", T * nq * nblk * 4)
-    pacc = sc.get("pacc", T * nq * nblk * hd * 4)
     want_scores = bool(want_probs or imp is not None) and smax > 0
     sstride = max(1, smax)
     sc_buf = sc.get("scores", T * nq * sstride * 4) if want_scores else sc.dummy
