@@ -19,12 +19,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _validate as V
-from .errors import SealError, ShapeError, StateError
+from .errors import ConfigError, SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .modes import KvMode
 from .nystrom import NystromState, O1Rect, o1_deferred_boundary
+from .tiered_seal import TieredSeal
 
 log = logging.getLogger("kvreg.o1")
+
+#: The far fields a seal can build (``o1_begin(..., far=...)``).
+FAR_FIELDS = ("nystrom", "tiered")
 
 
 @dataclass
@@ -47,7 +51,10 @@ class O1Collecting:
 
 @dataclass
 class O1Sealed:
+    #: per KV group, a :class:`~kvreg.nystrom.NystromState` (``far="nystrom"``)
     groups: list
+    #: every group at once (``far="tiered"``)
+    tiered: TieredSeal | None = None
 
 
 @dataclass
@@ -74,6 +81,9 @@ class O1Overlay:
     #: the row an ``append`` on a sealed self-sealing layer handed over, for
     #: the ``attend_layer`` that follows
     staged: tuple | None = None
+    #: the far field: "nystrom" (the seed's landmark estimator) or "tiered"
+    #: (mass-chosen exact rows and 4-bit far rows, :mod:`kvreg.tiered_seal`)
+    far: str = "nystrom"
 
 
 class O1Mixin:
@@ -92,13 +102,13 @@ class O1Mixin:
     # ── arming and the query trace ──
 
     def o1_begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, *, scale=None,
-                 heavy: int | None = None, auto: bool = False) -> None:
+                 heavy: int | None = None, auto: bool = False, far: str = "nystrom") -> None:
         """Arm query collection for a fresh prompt pass."""
-        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale, heavy=heavy, auto=auto)
+        self.o1_begin_with_boundary(m, w, sink, rect, None, scale=scale, heavy=heavy, auto=auto, far=far)
 
     def o1_begin_with_boundary(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate,
                                seal_at: int | None = None, *, scale=None,
-                               heavy: int | None = None, auto: bool = False) -> None:
+                               heavy: int | None = None, auto: bool = False, far: str = "nystrom") -> None:
         """Arm collection with an optional completed-row seal barrier.
 
         The geometry (m >= 4, w > 0) is checked by the seal, as the seed does;
@@ -112,6 +122,12 @@ class O1Mixin:
         takes ``append(k, v)`` then ``attend_layer(q)`` as one ``o1_step``. A
         seal the layer cannot make there (a malformed prerequisite) leaves it
         plain, its rows exact, with a warning, instead of latching.
+
+        ``far`` is the far field: ``"nystrom"`` (the seed's landmark
+        estimator, :mod:`kvreg.nystrom`) or ``"tiered"`` (exact rows chosen
+        by attention mass all along decode, and the rows that leave them held
+        in 4 bits in the memory of ``m`` exact rows, :mod:`kvreg.tiered_seal`;
+        it needs no query trace).
         """
         m, w, sink = V.nonneg_int("m", m), V.nonneg_int("w", w), V.nonneg_int("sink", sink)
         if heavy is not None:
@@ -125,8 +141,11 @@ class O1Mixin:
         scale = float(V.scale(scale) if scale is not None else self.default_scale)
         auto = V.flag("auto", auto)
         heavy = None if heavy is None else int(heavy)
+        if far not in FAR_FIELDS:
+            raise ConfigError(f"far must be one of {', '.join(map(repr, FAR_FIELDS))}, got {far!r}")
         self._o1 = O1Overlay(O1Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy),
-                             params=(int(m), int(w), int(sink), rect, heavy), scale=scale, auto=auto)
+                             params=(int(m), int(w), int(sink), rect, heavy), scale=scale, auto=auto,
+                             far=far)
         self._lifecycle = Lifecycle.COLLECTING
 
     def o1_push_q(self, q_all) -> None:
@@ -245,7 +264,7 @@ class O1Mixin:
         if self._lifecycle is not Lifecycle.COLLECTING:
             return self.o1_sealed()   # idempotent; a plain layer is not a participant
         col = self._o1.phase
-        floor = o1_deferred_boundary(col.w, col.sink, col.m)
+        floor = self._o1_floor(col)
         target = max(col.seal_at if col.seal_at is not None else floor, floor)
         t = self._seq_len
         if t < target:
@@ -263,12 +282,15 @@ class O1Mixin:
         stride = self._o1.q_stride
         expected_q = -(-t // stride) * hd * num_heads
         q_len = col.q_len()
-        if q_len != expected_q:
+        tiered = self._o1.far == "tiered"
+        if q_len != expected_q and not tiered:
             raise SealError(f"o1 seal: query trace has {q_len} values, expected {expected_q}")
         if self._base or (self._st.lens != t).any():
             raise SealError("o1 seal: KV heads are not densely populated")
         if col.m < 4 or col.w == 0:
             raise SealError(f"o1 seal: invalid geometry m={col.m} w={col.w}")
+        if tiered:
+            return self._seal_tiered(col, num_heads)
 
         hpk = num_heads // nkv
         rows = col.q_rows
@@ -319,6 +341,34 @@ class O1Mixin:
         self._lifecycle = Lifecycle.SEALED
         return True
 
+    def _o1_floor(self, col: O1Collecting) -> int:
+        """The earliest row count a seal happens at: the seed's deferred
+        boundary; for the tiered far field, one row past the exact budget
+        (``sink + w + heavy``: below it nothing would leave the exact rows)."""
+        if self._o1.far == "tiered" and col.heavy is not None:
+            return col.sink + col.w + col.heavy + 1
+        return o1_deferred_boundary(col.w, col.sink, col.m)
+
+    def _seal_tiered(self, col: O1Collecting, num_heads: int) -> bool:
+        """The ``far="tiered"`` seal (:mod:`kvreg.tiered_seal`): from the rows
+        as attention reads them and their accumulated mass."""
+        t, st = self._seq_len, self._st
+        keys, values = (st.k[:, :t], st.v[:, :t]) if self.mode is KvMode.F32 else self._widened_rows(0, t)
+        mass = np.array(st.imp[:t], dtype=np.float32)
+        for name, a in (("keys", keys), ("values", values)):
+            if not np.isfinite(a).all():
+                raise SealError(f"o1 seal: the {name} hold NaN/inf; the tiered far field needs finite rows")
+        state = TieredSeal(col.m, col.w, col.sink, col.m if col.heavy is None else col.heavy,
+                           num_kv_heads=self.num_kv_heads, hpk=num_heads // self.num_kv_heads,
+                           head_dim=self.head_dim, scale=self._o1.scale)
+        state.seal(np.asarray(keys, dtype=np.float32), np.asarray(values, dtype=np.float32), mass)
+        self._kv_rows_changed(0)
+        st.release()
+        self._o1.phase = O1Sealed([], tiered=state)
+        self._o1.transitioned = True
+        self._lifecycle = Lifecycle.SEALED
+        return True
+
     def _nystrom_kernels(self):
         # The state calls nystrom_prefill/absorb/step on the layer's backend.
         return self.backend
@@ -334,7 +384,8 @@ class O1Mixin:
         if o.num_heads not in (None, nh):
             raise ShapeError(f"attend with {nh} query heads on a layer collecting {o.num_heads}-head queries")
         o.num_heads = nh
-        o.phase.q_rows.append(np.array(q, dtype=np.float32).ravel())
+        if o.far != "tiered":  # the tiered seal needs no query trace
+            o.phase.q_rows.append(np.array(q, dtype=np.float32).ravel())
 
     def _o1_auto_append(self, k: np.ndarray, v: np.ndarray) -> bool:
         """``append`` of one row ``k, v [nkv, hd]`` on a self-sealing layer:
@@ -351,7 +402,7 @@ class O1Mixin:
         if self._lifecycle is not Lifecycle.COLLECTING or not self._seq_len or o.num_heads is None:
             return False
         col = o.phase
-        if self._seq_len < max(col.seal_at or 0, o1_deferred_boundary(col.w, col.sink, col.m)):
+        if self._seq_len < max(col.seal_at or 0, self._o1_floor(col)):
             return False  # a short prompt: exact rows until the layer holds the boundary's
         try:
             self.o1_seal_checked(o.num_heads)
@@ -393,6 +444,13 @@ class O1Mixin:
         if not (np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all()):
             raise ShapeError("o1_step: q_all, k_new and v_new must be finite")
         hpk = num_heads // nkv
+        tiered = self._o1.phase.tiered
+        if tiered is not None:
+            if tiered.hpk != hpk:
+                raise ShapeError(f"o1_step with {num_heads} query heads on a layer sealed for {tiered.hpk * nkv}")
+            out = tiered.step(q, k, v)
+            self._seq_len += 1
+            return out
         out = np.empty((num_heads, hd), dtype=np.float32)
         for g, state in enumerate(self._o1.phase.groups):
             out[g * hpk:(g + 1) * hpk] = state.step_group(q[g * hpk:(g + 1) * hpk], k[g], v[g])
@@ -406,6 +464,8 @@ class O1Mixin:
         if self._lifecycle is Lifecycle.COLLECTING:
             return self._o1.phase.q_len() * 4
         if self._lifecycle is Lifecycle.SEALED:
-            return sum(g.memory_bytes() for g in self._o1.phase.groups)
+            tiered = self._o1.phase.tiered
+            return tiered.memory_bytes() if tiered is not None else sum(
+                g.memory_bytes() for g in self._o1.phase.groups)
         return 0
 

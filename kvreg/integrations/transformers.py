@@ -72,6 +72,7 @@ from ..batch import attend_batch
 from ..cache import Born, KvCache, Recent, resident_bytes
 from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
+from .._o1_layer import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
 
 try:
@@ -199,7 +200,7 @@ class KvregCache(Cache):
 
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
                  budget: int | None = None, sink: int = 0, o1: tuple[int, int, int] | None = None,
-                 q8_exact_rows: int = Q8_EXACT_ROWS):
+                 o1_far: str = "tiered", q8_exact_rows: int = Q8_EXACT_ROWS):
         config = model.config.get_text_config(decoder=True) if hasattr(model, "config") else None
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -227,12 +228,14 @@ class KvregCache(Cache):
         if o1 is not None:
             if budget is not None:
                 raise ConfigError("o1 and budget both bound the cache; pass one of them")
-            if not (isinstance(o1, (tuple, list)) and len(o1) == 3):
-                raise ConfigError(f"o1 must be (m, w, sink), got {o1!r}")
-            for name, x in zip(("o1 m", "o1 w", "o1 sink"), o1):
+            if not (isinstance(o1, (tuple, list)) and len(o1) in (3, 4)):
+                raise ConfigError(f"o1 must be (m, w, sink) or (m, w, sink, heavy), got {o1!r}")
+            for name, x in zip(("o1 m", "o1 w", "o1 sink", "o1 heavy"), o1):
                 V.nonneg_int(name, x)
             o1 = tuple(int(x) for x in o1)
-        self.policy, self.budget, self.o1 = policy, budget, o1
+        if o1_far not in FAR_FIELDS:
+            raise ConfigError(f"o1_far must be one of {', '.join(map(repr, FAR_FIELDS))}, got {o1_far!r}")
+        self.policy, self.budget, self.o1, self.o1_far = policy, budget, o1, o1_far
         self.backend = backend
         self.q8_exact_rows = q8_exact_rows
         self.num_layers = int(config.num_hidden_layers)
@@ -486,8 +489,8 @@ class KvregCache(Cache):
         (``q [n, nh, hd]``, ``k``/``v`` head-major ``[kvh, n, hd]``); returns ``[n, nh, hd]``."""
         n, nh = q.shape[0], q.shape[1]
         if self.o1 is not None and window is None and layer.seq_len == 0 and layer.lifecycle is Lifecycle.PLAIN:
-            m, w, sink = self.o1
-            layer.o1_begin(m, w, sink, scale=scale, auto=True)
+            m, w, sink, *heavy = self.o1
+            layer.o1_begin(m, w, sink, scale=scale, auto=True, far=self.o1_far, heavy=heavy[0] if heavy else None)
         if layer.o1_sealed():
             # A sealed layer takes a position at a time (a multi-token step: one by one).
             outs = []

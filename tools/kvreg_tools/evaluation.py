@@ -70,10 +70,11 @@ def parse_config(spec: str) -> CacheConfig:
         kwargs["policy"] = Born(4) if head == "born" else Recent()
         if head == "sinkwin":
             kwargs["sink"] = 4
-    elif head == "o1":
-        if len(nums) != 3:
-            raise ConfigError(f"config {spec!r}: expected o1:M:W:SINK")
+    elif head in ("o1", "nystrom"):
+        if len(nums) not in (3, 4):
+            raise ConfigError(f"config {spec!r}: expected {head}:M:W:SINK or {head}:M:W:SINK:HEAVY")
         kwargs["o1"] = tuple(nums)
+        kwargs["o1_far"] = "tiered" if head == "o1" else "nystrom"
     elif not args:
         if mode:
             raise ConfigError(f"config {spec!r}: a mode takes no @MODE")
