@@ -43,7 +43,7 @@ from .errors import ConfigError, ShapeError
 from .modes import Q4_K_GROUP, Q4_V_GROUP
 from .quant import dequantize_half_scaled, fwht, num_groups, pack_int4, quantize_half_scaled, rotates, unpack_int4
 
-__all__ = ["TieredSeal", "far_rows"]
+__all__ = ["TieredSeal", "far_rows", "seal_bytes", "equal_rows"]
 
 _QMAX = 7
 
@@ -59,6 +59,22 @@ def far_rows(m: int, hd: int) -> int:
     """``F``: the 4-bit rows held in the memory of ``m`` exact rows of ``hd`` channels."""
     exact, far = _row_bytes(hd)
     return (int(m) * exact) // far
+
+
+def seal_bytes(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None) -> int:
+    """Bytes one sealed layer holds (:meth:`TieredSeal.memory_bytes`), from its geometry."""
+    exact, far = _row_bytes(hd)
+    heavy = m if heavy is None else heavy
+    return int(num_kv_heads) * ((sink + w + heavy + 1) * exact + (far_rows(m, hd) + 1) * far)
+
+
+def equal_rows(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None,
+               bytes_per_element: float = 4.0) -> int:
+    """The fewest rows per layer a plain cache (float32 by default) needs to
+    hold at least the bytes of this seal: the Born / sinks + window budget
+    to compare it with at equal memory."""
+    row = 2 * hd * num_kv_heads * bytes_per_element
+    return int(-(-seal_bytes(m, w, sink, hd, num_kv_heads, heavy) // row))
 
 
 class TieredSeal:

@@ -9,7 +9,7 @@ import kvreg
 from kvreg.errors import ConfigError, ShapeError, StateError
 from kvreg.modes import Q4_K_GROUP, Q4_V_GROUP
 from kvreg.quant import dequantize_half_scaled, fwht, unpack_int4
-from kvreg.tiered_seal import TieredSeal, far_rows
+from kvreg.tiered_seal import TieredSeal, equal_rows, far_rows, seal_bytes
 
 NKV, HD, NH = 2, 16, 6
 HPK = NH // NKV
@@ -142,6 +142,9 @@ def test_memory_is_constant_in_context(mode):
     exact, far = 2 * HD * 4 + 12, HD + 2 * (-(-HD // Q4_K_GROUP) - (-HD // Q4_V_GROUP)) + 12
     assert sizes[0] == sizes[1] == NKV * ((state.budget + 1) * exact + (state.far_budget + 1) * far)
     assert state.far_budget == (8 * exact) // far
+    assert seal_bytes(8, 16, 4, HD, NKV) == sizes[0]
+    rows = equal_rows(8, 16, 4, HD, NKV)
+    assert (rows - 1) * 2 * HD * NKV * 4 < sizes[0] <= rows * 2 * HD * NKV * 4
 
 
 def test_same_inputs_same_bits():

@@ -41,12 +41,16 @@ How it fits transformers (5.x):
   attention mass (kvreg's importance, accumulated by every attend);
   ``EvictionPolicy.Recent`` keeps the ``sink`` first rows (argument
   ``sink``, default 0) and the newest.
-- The O(1) seal (``o1=(m, w, sink)``): every global layer is a self-sealing
-  layer (``o1_begin(..., auto=True)``): it records its prompt queries as it
-  attends and seals itself at the first decode step once it holds enough
-  rows (the seed's deferred boundary, ``w + sink + m + 1``); the cache just
-  appends and attends. Every KV mode seals (from its rows as attention reads
-  them); a layer whose seal cannot be made stays exact, with a warning.
+- The O(1) seal (``o1=(m, w, sink)`` or ``(m, w, sink, heavy)``): every
+  global layer is a self-sealing layer (``o1_begin(..., auto=True,
+  far=o1_far)``): it seals itself at the first decode step once it holds
+  enough rows (``w + sink + heavy + 1``); the cache just appends and attends.
+  The default far field, ``o1_far="tiered"`` (:mod:`kvreg.tiered_seal`),
+  keeps ``sink + w + heavy`` exact rows chosen by attention mass and the
+  next rows in 4 bits, in the memory of ``m`` exact rows;
+  ``o1_far="nystrom"`` is the seed's landmark estimator. Every KV mode
+  seals (from its rows as attention reads them); a layer whose seal cannot
+  be made stays exact, with a warning.
 - dtypes: float32, bfloat16 and float16 models all work. The cache stores
   the mode's format (F32: float32 rows; F16/BF16: 2-byte rows; q8 modes:
   int8 rows with float32 scales); with no ``mode`` and no ``KVREG_KV`` it
@@ -194,8 +198,9 @@ class KvregCache(Cache):
     ``KVREG_BACKEND``). ``policy`` / ``budget`` / ``sink``: eviction of the
     global layers at ``budget`` rows (see the module docstring; a budget
     without a policy uses ``EvictionPolicy.Born(sink=4)``). ``o1=(m, w,
-    sink)``: the O(1) Nyström seal on the global layers (F32 only; not with a
-    budget). See the module docstring for dtypes, batches and positions.
+    sink[, heavy])``: the O(1) seal on the global layers (not with a budget),
+    with the far field ``o1_far`` (``"tiered"`` or ``"nystrom"``). See the
+    module docstring for dtypes, batches and positions.
     """
 
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,

@@ -59,7 +59,7 @@ def register_eval(sub) -> None:
     ep.add_argument("--text", action="append", default=None, metavar="FILE",
                     help="text file (repeatable; default: CPython's textwrap.py)")
     ep.add_argument("--configs", default=DEFAULT_CONFIGS,
-                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, o1:M:W:SINK, X@MODE, "
+                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, o1:M:W:SINK[:HEAVY], nystrom:M:W:SINK, X@MODE, "
                          "dynamic, static (default: %(default)s)")
     ep.add_argument("--tokens", type=int, default=2048)
     ep.add_argument("--prefix", type=int, default=256)

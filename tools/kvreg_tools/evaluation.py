@@ -16,7 +16,9 @@ equals ``DynamicCache``) so no distribution is stored. Per configuration:
 
 Configurations (``parse_config``): a KV mode name (``f32``, ``q8``, ...);
 ``born:N`` (Born eviction at ``N`` rows, sink 4), ``sinkwin:N`` (4 sinks +
-the newest rows, ``N`` in all), ``recent:N``; ``o1:M:W:SINK`` (the O(1) seal);
+the newest rows, ``N`` in all), ``recent:N``; ``o1:M:W:SINK[:HEAVY]`` (the
+O(1) seal, its tiered far field), ``nystrom:M:W:SINK[:HEAVY]`` (the seal with
+the seed's Nyström far field);
 any of these ``@MODE`` for another storage; ``dynamic`` / ``static``
 (transformers' ``DynamicCache`` / ``StaticCache`` with SDPA).
 """
@@ -81,7 +83,7 @@ def parse_config(spec: str) -> CacheConfig:
         kwargs["mode"] = KvMode.parse(head).value
     else:
         raise ConfigError(f"config {spec!r}: expected a KV mode, born:N, sinkwin:N, recent:N, o1:M:W:SINK, "
-                          "dynamic or static")
+                          "nystrom:M:W:SINK, dynamic or static")
     kwargs.setdefault("mode", "f32")
     return CacheConfig(raw, "kvreg", kwargs)
 
