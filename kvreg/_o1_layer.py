@@ -23,7 +23,7 @@ from .errors import ConfigError, SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .modes import KvMode
 from .nystrom import NystromState, O1Rect, o1_deferred_boundary
-from .tiered_seal import TieredSeal
+from .tiered_seal import TieredSeal, exact_format
 
 log = logging.getLogger("kvreg.o1")
 
@@ -360,7 +360,7 @@ class O1Mixin:
                 raise SealError(f"o1 seal: the {name} hold NaN/inf; the tiered far field needs finite rows")
         state = TieredSeal(col.m, col.w, col.sink, col.m if col.heavy is None else col.heavy,
                            num_kv_heads=self.num_kv_heads, hpk=num_heads // self.num_kv_heads,
-                           head_dim=self.head_dim, scale=self._o1.scale)
+                           head_dim=self.head_dim, scale=self._o1.scale, fmt=exact_format(self.mode))
         state.seal(np.asarray(keys, dtype=np.float32), np.asarray(values, dtype=np.float32), mass)
         self._kv_rows_changed(0)
         st.release()

@@ -13,7 +13,9 @@ What wins per byte on these models is precision, not summaries: kvreg's
 is 10x closer to exact. So this seal keeps the lifecycle and the constant
 memory of the seed's, and holds rows in two tiers, per KV group:
 
-* **exact** (float32): the first ``sink`` rows, the newest ``w`` and
+* **exact** (the layer's precision: float32, float16 or bfloat16 rows for
+  ``f32``/``f16``/``bf16`` layers; int8 with a float16 scale per 32 channels,
+  rotated, for the q8 modes and ``q4``): the first ``sink`` rows, the newest ``w`` and
   ``heavy`` rows of largest accumulated attention mass, ``R = sink + w +
   heavy`` in all. The mass is the layer's importance at the seal (every
   prompt query's probabilities: what Born eviction reads) and then every
@@ -40,102 +42,150 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ConfigError, ShapeError
-from .modes import Q4_K_GROUP, Q4_V_GROUP
-from .quant import dequantize_half_scaled, fwht, num_groups, pack_int4, quantize_half_scaled, rotates, unpack_int4
+from .modes import Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
+from .quant import (dequantize_half_scaled, from_bf16, fwht, num_groups, pack_int4, quantize_half_scaled, rotates,
+                    to_bf16, unpack_int4)
 
-__all__ = ["TieredSeal", "far_rows", "seal_bytes", "equal_rows"]
+__all__ = ["TieredSeal", "Tier", "exact_format", "far_rows", "seal_bytes", "equal_rows"]
 
-_QMAX = 7
+#: How a tier stores its rows.
+FORMATS = ("f32", "f16", "bf16", "int8", "int4")
 
-
-def _row_bytes(hd: int) -> tuple[int, int]:
-    """(exact, far) bytes of one row of one KV group, position and mass included."""
-    meta = 8 + 4
-    far = 2 * ((hd + 1) // 2) + 2 * (num_groups(hd, Q4_K_GROUP) + num_groups(hd, Q4_V_GROUP))
-    return 2 * hd * 4 + meta, far + meta
+# (K group, V group, qmax) of the integer formats
+_INT = {"int8": (Q4_INT8_GROUP, Q4_INT8_GROUP, 127), "int4": (Q4_K_GROUP, Q4_V_GROUP, 7)}
 
 
-def far_rows(m: int, hd: int) -> int:
-    """``F``: the 4-bit rows held in the memory of ``m`` exact rows of ``hd`` channels."""
-    exact, far = _row_bytes(hd)
-    return (int(m) * exact) // far
+def exact_format(mode: KvMode) -> str:
+    """The exact tier's format for a layer of ``mode``: its own precision for
+    the float modes, int8 for the quantized ones."""
+    return {KvMode.F32: "f32", KvMode.F16: "f16", KvMode.BF16: "bf16"}.get(mode, "int8")
 
 
-def seal_bytes(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None) -> int:
+class Tier:
+    """Rows of every KV group in one format (:data:`FORMATS`), each with its
+    position and accumulated mass: ``[nkv, cap]`` slots, ``n`` of them held
+    (the same count in every group). The integer formats hold Walsh-Hadamard
+    rotated rows when ``hd`` is a power of two (``rotated``): scores take the
+    rotated query, outputs rotate back."""
+
+    def __init__(self, fmt: str, nkv: int, cap: int, hd: int):
+        if fmt not in FORMATS:
+            raise ConfigError(f"Tier: format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        self.fmt, self.nkv, self.hd, self.n = fmt, nkv, hd, 0
+        self.rotated = fmt in _INT and rotates(hd)
+        shape = (nkv, cap, hd)
+        if fmt in _INT:
+            kg, vg, _ = _INT[fmt]
+            width = hd if fmt == "int8" else (hd + 1) // 2
+            dt = np.int8 if fmt == "int8" else np.uint8
+            self.k, self.v = np.zeros((nkv, cap, width), dt), np.zeros((nkv, cap, width), dt)
+            self.ks = np.zeros((nkv, cap, num_groups(hd, kg)), np.float16)
+            self.vs = np.zeros((nkv, cap, num_groups(hd, vg)), np.float16)
+        else:
+            dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[fmt]
+            self.k, self.v = np.zeros(shape, dt), np.zeros(shape, dt)
+        self.pos = np.zeros((nkv, cap), np.int64)
+        self.mass = np.zeros((nkv, cap), np.float32)
+
+    @staticmethod
+    def row_bytes(fmt: str, hd: int) -> int:
+        """Bytes of one row of one KV group in ``fmt``, position and mass included."""
+        return Tier(fmt, 1, 1, hd).nbytes()
+
+    def arrays(self) -> list:
+        return [a for a in (self.k, self.v, getattr(self, "ks", None), getattr(self, "vs", None), self.pos,
+                            self.mass) if a is not None]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def put(self, at: slice, k: np.ndarray, v: np.ndarray) -> None:
+        """Rows ``k, v [nkv, n, hd]`` float32 into slots ``at`` (a slice of ``n``) of every group."""
+        nkv, n, hd = k.shape
+        if self.fmt in _INT:
+            kg, vg, qmax = _INT[self.fmt]
+            for rows, codes, scales, group in ((k, self.k, self.ks, kg), (v, self.v, self.vs, vg)):
+                flat = rows.reshape(nkv * n, hd)
+                c, sc = quantize_half_scaled(fwht(flat) if self.rotated else flat, group, qmax)
+                codes[:, at] = (pack_int4(c) if self.fmt == "int4" else c).reshape(nkv, n, -1)
+                scales[:, at] = sc.reshape(nkv, n, -1)
+        elif self.fmt == "bf16":
+            self.k[:, at], self.v[:, at] = to_bf16(k), to_bf16(v)
+        else:
+            self.k[:, at], self.v[:, at] = k, v
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """The held rows, float32 ``[nkv, n, hd]`` K and V (rotated when ``rotated``)."""
+        n, nkv, hd = self.n, self.nkv, self.hd
+        if self.fmt in _INT:
+            kg, vg, _ = _INT[self.fmt]
+            out = []
+            for codes, scales, group in ((self.k, self.ks, kg), (self.v, self.vs, vg)):
+                c = codes[:, :n].reshape(nkv * n, -1)
+                c = unpack_int4(c, hd) if self.fmt == "int4" else c
+                out.append(dequantize_half_scaled(c, scales[:, :n].reshape(nkv * n, -1), group).reshape(nkv, n, hd))
+            return out[0], out[1]
+        if self.fmt == "bf16":
+            return from_bf16(self.k[:, :n]), from_bf16(self.v[:, :n])
+        return self.k[:, :n].astype(np.float32), self.v[:, :n].astype(np.float32)
+
+    def move(self, g: np.ndarray, dst: np.ndarray, src: int) -> None:
+        """Slot ``src`` of each group ``g`` over slot ``dst[g]``."""
+        for a in self.arrays():
+            a[g, dst] = a[g, src]
+
+
+def far_rows(m: int, hd: int, fmt: str = "f32") -> int:
+    """``F``: the 4-bit rows held in the memory of ``m`` exact rows of ``hd`` channels in ``fmt``."""
+    return (int(m) * Tier.row_bytes(fmt, hd)) // Tier.row_bytes("int4", hd)
+
+
+def seal_bytes(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None,
+               fmt: str = "f32") -> int:
     """Bytes one sealed layer holds (:meth:`TieredSeal.memory_bytes`), from its geometry."""
-    exact, far = _row_bytes(hd)
     heavy = m if heavy is None else heavy
-    return int(num_kv_heads) * ((sink + w + heavy + 1) * exact + (far_rows(m, hd) + 1) * far)
+    return int(num_kv_heads) * ((sink + w + heavy + 1) * Tier.row_bytes(fmt, hd)
+                                + (far_rows(m, hd, fmt) + 1) * Tier.row_bytes("int4", hd))
 
 
 def equal_rows(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None,
-               bytes_per_element: float = 4.0) -> int:
+               fmt: str = "f32", bytes_per_element: float = 4.0) -> int:
     """The fewest rows per layer a plain cache (float32 by default) needs to
     hold at least the bytes of this seal: the Born / sinks + window budget
     to compare it with at equal memory."""
     row = 2 * hd * num_kv_heads * bytes_per_element
-    return int(-(-seal_bytes(m, w, sink, hd, num_kv_heads, heavy) // row))
+    return int(-(-seal_bytes(m, w, sink, hd, num_kv_heads, heavy, fmt) // row))
 
 
 class TieredSeal:
-    """Every KV group of one sealed layer (module docstring).
+    """Every KV group of one sealed layer (module docstring): ``exact`` and
+    ``far`` are its two :class:`Tier` objects.
 
     :meth:`seal` once, from the prompt's rows and their mass; then
     :meth:`step` per decode token.
     """
 
     def __init__(self, m: int, w: int, sink: int, heavy: int, *, num_kv_heads: int, hpk: int, head_dim: int,
-                 scale: float):
+                 scale: float, fmt: str = "f32"):
         for name, val, lo in (("m", m, 0), ("w", w, 1), ("sink", sink, 0), ("heavy", heavy, 0),
                               ("num_kv_heads", num_kv_heads, 1), ("hpk", hpk, 1), ("head_dim", head_dim, 1)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
                 raise ConfigError(f"TieredSeal: {name} must be an int >= {lo}, got {val!r}")
+        if fmt not in FORMATS[:4]:
+            raise ConfigError(f"TieredSeal: the exact tier's format must be one of {', '.join(FORMATS[:4])}, "
+                              f"got {fmt!r}")
         self.m, self.w, self.sink, self.heavy = int(m), int(w), int(sink), int(heavy)
         self.nkv, self.hpk, self.hd = int(num_kv_heads), int(hpk), int(head_dim)
         self.scale = np.float32(scale)
-        self.rotate = rotates(self.hd)
         self.budget = self.sink + self.w + self.heavy       # exact rows at rest, per group
-        self.far_budget = far_rows(self.m, self.hd)         # far rows at rest, per group
-        nkv, hd, cap, fcap = self.nkv, self.hd, self.budget + 1, self.far_budget + 1
-        self.k = np.zeros((nkv, cap, hd), dtype=np.float32)
-        self.v = np.zeros_like(self.k)
-        self.pos = np.zeros((nkv, cap), dtype=np.int64)
-        self.mass = np.zeros((nkv, cap), dtype=np.float32)
-        half = (hd + 1) // 2
-        self.kq = np.zeros((nkv, fcap, half), dtype=np.uint8)
-        self.vq = np.zeros_like(self.kq)
-        self.ks = np.zeros((nkv, fcap, num_groups(hd, Q4_K_GROUP)), dtype=np.float16)
-        self.vs = np.zeros((nkv, fcap, num_groups(hd, Q4_V_GROUP)), dtype=np.float16)
-        self.fpos = np.zeros((nkv, fcap), dtype=np.int64)
-        self.fmass = np.zeros((nkv, fcap), dtype=np.float32)
-        self.rows = 0          # exact rows held per group (the same in every group)
-        self.far = 0           # far rows held per group (the same in every group)
+        self.far_budget = far_rows(self.m, self.hd, fmt)   # far rows at rest, per group
+        self.exact = Tier(fmt, self.nkv, self.budget + 1, self.hd)
+        self.far = Tier("int4", self.nkv, self.far_budget + 1, self.hd)
         self.seen = 0          # positions ever held: the context depth
         self.dropped = 0       # rows ever dropped per group
 
-    def _arrays(self):
-        return (self.k, self.v, self.pos, self.mass, self.kq, self.vq, self.ks, self.vs, self.fpos, self.fmass)
-
     def memory_bytes(self) -> int:
-        return sum(a.nbytes for a in self._arrays())
-
-    # ── the far tier's format ──
-
-    def _put_far(self, at, k: np.ndarray, v: np.ndarray) -> None:
-        """Rows ``k, v [nkv, n, hd]`` into far slots ``at`` (a slice of ``n``) of every group."""
-        nkv, n, hd = k.shape
-        for rows, codes, scales, group in ((k, self.kq, self.ks, Q4_K_GROUP), (v, self.vq, self.vs, Q4_V_GROUP)):
-            flat = rows.reshape(nkv * n, hd)
-            c, sc = quantize_half_scaled(fwht(flat) if self.rotate else flat, group, _QMAX)
-            codes[:, at] = pack_int4(c).reshape(nkv, n, -1)
-            scales[:, at] = sc.reshape(nkv, n, -1)
-
-    def _far_rows(self, a: np.ndarray, s: np.ndarray, group: int) -> np.ndarray:
-        """The far tier's rows of one side, float32 ``[nkv, far, hd]`` (rotated)."""
-        n = self.far
-        codes = unpack_int4(a[:, :n].reshape(self.nkv * n, -1), self.hd)
-        return dequantize_half_scaled(codes, s[:, :n].reshape(self.nkv * n, -1), group).reshape(
-            self.nkv, n, self.hd)
+        return self.exact.nbytes() + self.far.nbytes()
 
     # ── seal ──
 
@@ -147,14 +197,11 @@ class TieredSeal:
             raise ShapeError(f"TieredSeal.seal: expected k, v [{self.nkv}, t >= 1, {self.hd}] and mass [t], "
                              f"got k {k.shape}, v {v.shape}, mass {mass.shape}")
         mass = np.nan_to_num(np.asarray(mass, dtype=np.float32), nan=-np.inf)
-        keep, far = self._split(mass, t)
-        n = keep.size
-        self.k[:, :n], self.v[:, :n] = k[:, keep], v[:, keep]
-        self.pos[:, :n], self.mass[:, :n] = keep, mass[keep]
-        self._put_far(slice(0, far.size), k[:, far], v[:, far])
-        self.fpos[:, :far.size], self.fmass[:, :far.size] = far, mass[far]
-        self.rows, self.far, self.seen = n, int(far.size), t
-        self.dropped = t - n - int(far.size)
+        for tier, rows in zip((self.exact, self.far), self._split(mass, t)):
+            tier.put(slice(0, rows.size), k[:, rows], v[:, rows])
+            tier.pos[:, :rows.size], tier.mass[:, :rows.size], tier.n = rows, mass[rows], int(rows.size)
+        self.seen = t
+        self.dropped = t - self.exact.n - self.far.n
 
     def _split(self, mass: np.ndarray, t: int) -> tuple[np.ndarray, np.ndarray]:
         """The prompt rows kept exact (sinks, the newest ``w``, the ``heavy``
@@ -172,33 +219,29 @@ class TieredSeal:
     def step(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """One decode token: ``q [nkv*hpk, hd]``, the token's ``k, v [nkv,
         hd]`` (checked finite by the caller). Returns ``[nkv*hpk, hd]``."""
-        n, f = self.rows, self.far
-        self.k[:, n], self.v[:, n], self.pos[:, n], self.mass[:, n] = k, v, self.seen, 0.0
-        n += 1
+        e = self.exact
+        n = e.n
+        e.put(slice(n, n + 1), k[:, None], v[:, None])
+        e.pos[:, n], e.mass[:, n], e.n = self.seen, 0.0, n + 1
         qg = q.reshape(self.nkv, self.hpk, self.hd) * self.scale
-        se = np.matmul(qg, self.k[:, :n].transpose(0, 2, 1))                     # [nkv, hpk, n]
-        top = se.max(axis=2)
-        if f:
-            kf = self._far_rows(self.kq, self.ks, Q4_K_GROUP)
-            sf = np.matmul(fwht(qg) if self.rotate else qg, kf.transpose(0, 2, 1))  # [nkv, hpk, f]
-            top = np.maximum(top, sf.max(axis=2))
-        pe = np.exp(se - top[:, :, None])
-        den = pe.sum(axis=2)
-        if f:
-            pf = np.exp(sf - top[:, :, None])
-            den += pf.sum(axis=2)
-        inv = (1.0 / den)[:, :, None]
-        pe *= inv
-        out = np.matmul(pe, self.v[:, :n])
-        self.mass[:, :n] += pe.sum(axis=1)
-        if f:
-            pf *= inv
-            of = np.matmul(pf, self._far_rows(self.vq, self.vs, Q4_V_GROUP))
-            out += fwht(of) if self.rotate else of
-            self.fmass[:, :f] += pf.sum(axis=1)
-        self.rows, self.seen = n, self.seen + 1
-        if n > self.budget:
-            self._demote()
+        qr = fwht(qg) if e.rotated or self.far.rotated else None
+        tiers = [t for t in (e, self.far) if t.n]
+        rows = [t.read() for t in tiers]
+        scores = [np.matmul(qr if t.rotated else qg, kk.transpose(0, 2, 1)) for t, (kk, _) in zip(tiers, rows)]
+        top = np.max([s.max(axis=2) for s in scores], axis=0)[:, :, None]
+        probs = [np.exp(s - top) for s in scores]
+        inv = 1.0 / np.sum([p.sum(axis=2) for p in probs], axis=0)[:, :, None]
+        plain, turned = np.zeros_like(qg), np.zeros_like(qg)
+        for t, p, (_, vv) in zip(tiers, probs, rows):
+            p *= inv
+            t.mass[:, :t.n] += p.sum(axis=1)
+            acc = turned if t.rotated else plain
+            acc += np.matmul(p, vv)
+        out = plain + fwht(turned) if e.rotated or self.far.rotated else plain
+        self.seen += 1
+        if e.n > self.budget:
+            kk, vv = rows[0]
+            self._demote(kk, vv)
         return out.reshape(self.nkv * self.hpk, self.hd)
 
     @staticmethod
@@ -209,27 +252,26 @@ class TieredSeal:
         lo = key.min(axis=1, keepdims=True)
         return np.argmax(np.where(key == lo, pos, -1), axis=1)
 
-    def _demote(self) -> None:
+    def _demote(self, kk: np.ndarray, vv: np.ndarray) -> None:
         """Each group's exact row of least mass outside the sinks and the
         window moves to the far tier (the last exact row fills its place);
-        a far tier over its budget drops its row of least mass."""
-        g = np.arange(self.nkv)
-        n = self.rows
-        pos = self.pos[:, :n]
-        out = self._least(self.mass[:, :n], pos, (pos >= self.sink) & (pos < self.seen - self.w))
-        f = self.far
+        a far tier over its budget drops its row of least mass. ``kk, vv``:
+        the exact tier's rows as the step read them."""
+        e, f, g = self.exact, self.far, np.arange(self.nkv)
+        pos = e.pos[:, :e.n]
+        out = self._least(e.mass[:, :e.n], pos, (pos >= self.sink) & (pos < self.seen - self.w))
+        held = f.n
         if self.far_budget:
-            self._put_far(slice(f, f + 1), self.k[g, out][:, None], self.v[g, out][:, None])
-            self.fpos[:, f], self.fmass[:, f] = self.pos[g, out], self.mass[g, out]
-            f += 1
-        for a in (self.k, self.v, self.pos, self.mass):
-            a[g, out] = a[g, n - 1]
-        self.rows = n - 1
-        if f > self.far_budget:
-            gone = self._least(self.fmass[:, :f], self.fpos[:, :f], None)
-            for a in (self.kq, self.vq, self.ks, self.vs, self.fpos, self.fmass):
-                a[g, gone] = a[g, f - 1]
-            f -= 1
-        if f == self.far:
+            kx, vx = kk[g, out][:, None], vv[g, out][:, None]
+            if e.rotated:
+                kx, vx = fwht(kx), fwht(vx)
+            f.put(slice(f.n, f.n + 1), kx, vx)
+            f.pos[:, f.n], f.mass[:, f.n] = e.pos[g, out], e.mass[g, out]
+            f.n += 1
+        e.move(g, out, e.n - 1)
+        e.n -= 1
+        if f.n > self.far_budget:
+            f.move(g, self._least(f.mass[:, :f.n], f.pos[:, :f.n], None), f.n - 1)
+            f.n -= 1
+        if f.n == held:
             self.dropped += 1
-        self.far = f

@@ -7,9 +7,8 @@ import pytest
 
 import kvreg
 from kvreg.errors import ConfigError, ShapeError, StateError
-from kvreg.modes import Q4_K_GROUP, Q4_V_GROUP
-from kvreg.quant import dequantize_half_scaled, fwht, unpack_int4
-from kvreg.tiered_seal import TieredSeal, equal_rows, far_rows, seal_bytes
+from kvreg.quant import fwht
+from kvreg.tiered_seal import Tier, TieredSeal, equal_rows, far_rows, seal_bytes
 
 NKV, HD, NH = 2, 16, 6
 HPK = NH // NKV
@@ -33,29 +32,34 @@ def _token(rng):
     return k, v, rng.standard_normal((NH, HD)).astype(np.float32)
 
 
-def _far(state, codes, scales, group):
-    n = state.far
-    c = unpack_int4(codes[:, :n].reshape(NKV * n, -1), HD)
-    return fwht(dequantize_half_scaled(c, scales[:, :n].reshape(NKV * n, -1), group)).reshape(NKV, n, HD)
+def _decoded(tier):
+    """A tier's rows as float32, un-rotated (an independent reading of its format)."""
+    k, v = tier.read()
+    return (fwht(k), fwht(v)) if tier.rotated else (k, v)
 
 
 def _expected(state, k, v, q):
-    """Softmax attention over the rows the state holds plus the new one, the
-    far tier as its 4-bit reconstruction (float64)."""
-    n = state.rows
-    ks = [np.concatenate([state.k[:, :n], k[:, None], _far(state, state.kq, state.ks, Q4_K_GROUP)], axis=1)]
-    vs = [np.concatenate([state.v[:, :n], v[:, None], _far(state, state.vq, state.vs, Q4_V_GROUP)], axis=1)]
+    """Softmax attention over the rows the state holds plus the new one (as
+    the exact tier stores it), each tier as its reconstruction (float64)."""
+    new = Tier(state.exact.fmt, NKV, 1, HD)
+    new.put(slice(0, 1), k[:, None], v[:, None])
+    new.n = 1
+    parts = [_decoded(state.exact), _decoded(new), _decoded(state.far)]
+    ks = np.concatenate([p[0] for p in parts], axis=1)
+    vs = np.concatenate([p[1] for p in parts], axis=1)
     out = np.empty((NH, HD))
     for g in range(NKV):
         for j in range(HPK):
-            s = ks[0][g].astype(np.float64) @ q[g * HPK + j] / np.sqrt(HD)
+            s = ks[g].astype(np.float64) @ q[g * HPK + j] / np.sqrt(HD)
             p = np.exp(s - s.max())
-            out[g * HPK + j] = (p / p.sum()) @ vs[0][g]
+            out[g * HPK + j] = (p / p.sum()) @ vs[g]
     return out
 
 
-def test_a_step_is_softmax_over_exact_rows_and_the_far_tiers_reconstruction():
-    layer, rng, _ = _layer(8, 8, 2, 60)
+@pytest.mark.parametrize("mode, fmt", [("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("q8", "int8"),
+                                       ("q4", "int8")])
+def test_a_step_is_softmax_over_both_tiers_as_they_store_their_rows(mode, fmt):
+    layer, rng, _ = _layer(8, 8, 2, 60, mode=mode)
     for i in range(80):
         k, v, q = _token(rng)
         layer.append(k, v)
@@ -63,7 +67,8 @@ def test_a_step_is_softmax_over_exact_rows_and_the_far_tiers_reconstruction():
         want = _expected(state, k, v, q)
         got = layer.attend_layer(q)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    assert state.far == state.far_budget and state.dropped > 0
+    assert state.exact.fmt == fmt and state.far.fmt == "int4"
+    assert state.far.n == state.far_budget and state.dropped > 0
 
 
 def test_far_rows_are_four_bit_copies_of_the_rows_that_left():
@@ -74,16 +79,16 @@ def test_far_rows_are_four_bit_copies_of_the_rows_that_left():
         layer.append(k, v)
         layer.attend_layer(q)
     state = layer._o1.phase.tiered
-    for side, (codes, scales, group) in enumerate(((state.kq, state.ks, Q4_K_GROUP),
-                                                   (state.vq, state.vs, Q4_V_GROUP))):
-        got = _far(state, codes, scales, group)
+    far = _decoded(state.far)
+    for side in (0, 1):
         for g in range(NKV):
-            for i, p in enumerate(state.fpos[g, :state.far]):
+            for i, p in enumerate(state.far.pos[g, :state.far.n]):
                 want = rows[int(p)][side][g]
-                assert np.linalg.norm(got[g, i] - want) < 0.2 * np.linalg.norm(want)
-    for g in range(NKV):    # the exact tier holds its rows bit for bit
-        for i, p in enumerate(state.pos[g, :state.rows]):
-            assert state.k[g, i].tobytes() == rows[int(p)][0][g].tobytes()
+                assert np.linalg.norm(far[side][g, i] - want) < 0.2 * np.linalg.norm(want)
+    for g in range(NKV):    # an f32 layer's exact tier holds its rows bit for bit
+        for i, p in enumerate(state.exact.pos[g, :state.exact.n]):
+            assert state.exact.k[g, i].tobytes() == rows[int(p)][0][g].tobytes()
+            assert state.exact.v[g, i].tobytes() == rows[int(p)][1][g].tobytes()
 
 
 def test_rows_are_chosen_by_mass_as_they_leave_the_window():
@@ -91,22 +96,21 @@ def test_rows_are_chosen_by_mass_as_they_leave_the_window():
     for _ in range(50):
         layer.append(*_token(rng)[:2])
         state = layer._o1.phase.tiered
-        before = (state.pos[:, :state.rows].copy(), state.mass[:, :state.rows].copy(),
-                  state.fpos[:, :state.far].copy(), state.fmass[:, :state.far].copy())
+        e, f = state.exact, state.far
+        before = (e.pos[:, :e.n].copy(), e.mass[:, :e.n].copy())
         layer.attend_layer(_token(rng)[2])
-        seen, pos = state.seen, state.pos[:, :state.rows]
-        assert state.rows == state.budget == 2 + 6 + 5 and state.far == state.far_budget
+        seen, pos = state.seen, e.pos[:, :e.n]
+        assert e.n == state.budget == 2 + 6 + 5 and f.n == state.far_budget
         for g in range(NKV):
             held = set(pos[g].tolist())
             assert set(range(2)) <= held and set(range(seen - 6, seen)) <= held
             # what left the exact tier had no more mass (before this step) than any heavy row kept
             left = set(before[0][g].tolist()) - held
-            heavy = [i for i in range(state.rows) if 2 <= pos[g, i] < seen - 6]
+            heavy = [i for i in range(e.n) if 2 <= pos[g, i] < seen - 6]
             for p in left:
                 m_left = before[1][g][before[0][g] == p][0]
-                assert all(m_left <= state.mass[g, i] for i in heavy)
-            assert len(left) == 1   # one row leaves per step; it went to the far tier or was its lightest
-            assert left <= set(state.fpos[g, :state.far].tolist()) or state.far == state.far_budget
+                assert all(m_left <= e.mass[g, i] for i in heavy)
+            assert len(left) == 1   # one row leaves per step, into the far tier (which may drop it as its lightest)
     assert state.dropped == 40 + 50 - state.budget - state.far_budget
 
 
@@ -119,16 +123,18 @@ def test_the_far_tier_drops_its_lightest_row():
     mass[3] = -1.0
     state.seal(k, k, mass)
     # the window keeps the newest row, the far tier the next F by mass: row 3 is dropped
-    assert state.pos[0, :state.rows].tolist() == [t - 1]
-    assert 3 not in state.fpos[0, :state.far] and state.far == state.far_budget and state.dropped == 1
-    lightest = int(state.fpos[0, np.argmin(state.fmass[0, :state.far])])
+    e, f = state.exact, state.far
+    assert e.pos[0, :e.n].tolist() == [t - 1]
+    assert 3 not in f.pos[0, :f.n] and f.n == state.far_budget and state.dropped == 1
+    lightest = int(f.pos[0, np.argmin(f.mass[0, :f.n])])
     zero = np.zeros((1, 4), np.float32)
     state.step(zero, zero, zero)
-    assert lightest not in state.fpos[0, :state.far] and t - 1 in state.fpos[0, :state.far]
+    assert lightest not in f.pos[0, :f.n] and t - 1 in f.pos[0, :f.n] and state.dropped == 2
 
 
-@pytest.mark.parametrize("mode", ["f32", "f16", "q8", "q4"])
-def test_memory_is_constant_in_context(mode):
+@pytest.mark.parametrize("mode, fmt", [("f32", "f32"), ("f16", "f16"), ("bf16", "bf16"), ("q8", "int8"),
+                                       ("q8k_2f", "int8"), ("q4", "int8")])
+def test_memory_is_constant_in_context(mode, fmt):
     layer, rng, _ = _layer(8, 16, 4, 64, mode=mode)
     sizes = []
     for i in range(300):
@@ -139,11 +145,15 @@ def test_memory_is_constant_in_context(mode):
             sizes.append(layer.memory_bytes())
     state = layer._o1.phase.tiered
     assert layer.o1_sealed() and layer.seq_len == 364
-    exact, far = 2 * HD * 4 + 12, HD + 2 * (-(-HD // Q4_K_GROUP) - (-HD // Q4_V_GROUP)) + 12
+    # per row of a group: K and V, then 12 bytes of position and mass; the
+    # integer formats add a float16 scale per 32 channels (int4 V: per 64)
+    exact = {"f32": 2 * HD * 4, "f16": 2 * HD * 2, "bf16": 2 * HD * 2, "int8": 2 * HD + 4}[fmt] + 12
+    far = HD + 4 + 12
+    assert state.exact.fmt == fmt
     assert sizes[0] == sizes[1] == NKV * ((state.budget + 1) * exact + (state.far_budget + 1) * far)
-    assert state.far_budget == (8 * exact) // far
-    assert seal_bytes(8, 16, 4, HD, NKV) == sizes[0]
-    rows = equal_rows(8, 16, 4, HD, NKV)
+    assert state.far_budget == (8 * exact) // far == far_rows(8, HD, fmt)
+    assert seal_bytes(8, 16, 4, HD, NKV, fmt=fmt) == sizes[0]
+    rows = equal_rows(8, 16, 4, HD, NKV, fmt=fmt)
     assert (rows - 1) * 2 * HD * NKV * 4 < sizes[0] <= rows * 2 * HD * NKV * 4
 
 
@@ -170,7 +180,8 @@ def test_refusals_change_nothing():
     layer.append(k, v)
     layer.attend_layer(q)
     state = layer._o1.phase.tiered
-    before = [a.copy() for a in state._arrays()]
+    arrays = state.exact.arrays() + state.far.arrays()
+    before = [a.copy() for a in arrays]
     bad = k.copy()
     bad[0, 0] = np.nan
     with pytest.raises(ShapeError, match="finite"):
@@ -179,6 +190,8 @@ def test_refusals_change_nothing():
         layer.o1_step(np.zeros((NKV, HD), np.float32), k, v, NKV)
     with pytest.raises(StateError, match="append"):
         layer.attend_layer(q)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, state._arrays()))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(before, arrays))
     with pytest.raises(ConfigError, match="hpk"):
         TieredSeal(8, 8, 2, 8, num_kv_heads=1, hpk=0, head_dim=4, scale=1.0)
+    with pytest.raises(ConfigError, match="exact tier's format"):
+        TieredSeal(8, 8, 2, 8, num_kv_heads=1, hpk=1, head_dim=4, scale=1.0, fmt="int4")
