@@ -20,8 +20,9 @@ memory of the seed's, and holds rows in two tiers, per KV group:
   heavy`` in all. The mass is the layer's importance at the seal (every
   prompt query's probabilities: what Born eviction reads) and then every
   decode step's probabilities of the group's heads;
-* **far** (4 bits): up to ``F`` more rows, in the memory of ``m`` exact rows
-  (``F = ⌊m · exact row bytes / far row bytes⌋``, about 6x ``m`` at hd 64).
+* **far** (4 bits): up to ``F`` more rows, in the memory of ``m`` float32
+  rows (``F = ⌊m · float32 row bytes / far row bytes⌋``: 6.4x ``m`` at hd 64,
+  7x at hd 256), in every mode.
   Keys and values are Walsh-Hadamard rotated (when ``hd`` is a power of two)
   and stored as 4-bit codes with a float16 scale per 32 key / 64 value
   channels, kvreg's ``q4`` format.
@@ -135,9 +136,11 @@ class Tier:
             a[g, dst] = a[g, src]
 
 
-def far_rows(m: int, hd: int, fmt: str = "f32") -> int:
-    """``F``: the 4-bit rows held in the memory of ``m`` exact rows of ``hd`` channels in ``fmt``."""
-    return (int(m) * Tier.row_bytes(fmt, hd)) // Tier.row_bytes("int4", hd)
+def far_rows(m: int, hd: int) -> int:
+    """``F``: the 4-bit rows held in the memory of ``m`` float32 rows of ``hd``
+    channels (whatever the exact tier's format: ``m`` sizes the far tier alike
+    in every KV mode)."""
+    return (int(m) * Tier.row_bytes("f32", hd)) // Tier.row_bytes("int4", hd)
 
 
 def seal_bytes(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None,
@@ -145,7 +148,7 @@ def seal_bytes(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int
     """Bytes one sealed layer holds (:meth:`TieredSeal.memory_bytes`), from its geometry."""
     heavy = m if heavy is None else heavy
     return int(num_kv_heads) * ((sink + w + heavy + 1) * Tier.row_bytes(fmt, hd)
-                                + (far_rows(m, hd, fmt) + 1) * Tier.row_bytes("int4", hd))
+                                + (far_rows(m, hd) + 1) * Tier.row_bytes("int4", hd))
 
 
 def equal_rows(m: int, w: int, sink: int, hd: int, num_kv_heads: int, heavy: int | None = None,
@@ -178,7 +181,7 @@ class TieredSeal:
         self.nkv, self.hpk, self.hd = int(num_kv_heads), int(hpk), int(head_dim)
         self.scale = np.float32(scale)
         self.budget = self.sink + self.w + self.heavy       # exact rows at rest, per group
-        self.far_budget = far_rows(self.m, self.hd, fmt)   # far rows at rest, per group
+        self.far_budget = far_rows(self.m, self.hd)        # far rows at rest, per group
         self.exact = Tier(fmt, self.nkv, self.budget + 1, self.hd)
         self.far = Tier("int4", self.nkv, self.far_budget + 1, self.hd)
         self.seen = 0          # positions ever held: the context depth

@@ -151,7 +151,7 @@ def test_memory_is_constant_in_context(mode, fmt):
     far = HD + 4 + 12
     assert state.exact.fmt == fmt
     assert sizes[0] == sizes[1] == NKV * ((state.budget + 1) * exact + (state.far_budget + 1) * far)
-    assert state.far_budget == (8 * exact) // far == far_rows(8, HD, fmt)
+    assert state.far_budget == (8 * (2 * HD * 4 + 12)) // far == far_rows(8, HD)
     assert seal_bytes(8, 16, 4, HD, NKV, fmt=fmt) == sizes[0]
     rows = equal_rows(8, 16, 4, HD, NKV, fmt=fmt)
     assert (rows - 1) * 2 * HD * NKV * 4 < sizes[0] <= rows * 2 * HD * NKV * 4
