@@ -126,8 +126,8 @@ class O1Mixin:
         ``far`` is the far field: ``"nystrom"`` (the seed's landmark
         estimator, :mod:`kvreg.nystrom`) or ``"tiered"`` (exact rows chosen
         by attention mass all along decode, and the rows that leave them held
-        in 4 bits in the memory of ``m`` exact rows, :mod:`kvreg.tiered_seal`;
-        it needs no query trace).
+        in 4 bits in the memory of ``m`` float32 rows,
+        :mod:`kvreg.tiered_seal`; it needs no query trace).
         """
         m, w, sink = V.nonneg_int("m", m), V.nonneg_int("w", w), V.nonneg_int("sink", sink)
         if heavy is not None:
@@ -332,11 +332,14 @@ class O1Mixin:
             # Nothing changed yet (the storage is released only below): a
             # fit the states refuse is a failed seal, latched like the rest.
             raise SealError(f"o1 seal: the far-field fit failed: {exc}") from exc
+        return self._o1_enter_sealed(O1Sealed(groups))
+
+    def _o1_enter_sealed(self, phase: O1Sealed) -> bool:
         # The states carry everything decode needs: release the O(context)
         # storage (this is the memory claim, not a cosmetic).
         self._kv_rows_changed(0)
-        st.release()
-        self._o1.phase = O1Sealed(groups)
+        self._st.release()
+        self._o1.phase = phase
         self._o1.transitioned = True
         self._lifecycle = Lifecycle.SEALED
         return True
@@ -345,8 +348,8 @@ class O1Mixin:
         """The earliest row count a seal happens at: the seed's deferred
         boundary; for the tiered far field, one row past the exact budget
         (``sink + w + heavy``: below it nothing would leave the exact rows)."""
-        if self._o1.far == "tiered" and col.heavy is not None:
-            return col.sink + col.w + col.heavy + 1
+        if self._o1.far == "tiered":
+            return col.sink + col.w + (col.m if col.heavy is None else col.heavy) + 1
         return o1_deferred_boundary(col.w, col.sink, col.m)
 
     def _seal_tiered(self, col: O1Collecting, num_heads: int) -> bool:
@@ -362,12 +365,7 @@ class O1Mixin:
                            num_kv_heads=self.num_kv_heads, hpk=num_heads // self.num_kv_heads,
                            head_dim=self.head_dim, scale=self._o1.scale, fmt=exact_format(self.mode))
         state.seal(np.asarray(keys, dtype=np.float32), np.asarray(values, dtype=np.float32), mass)
-        self._kv_rows_changed(0)
-        st.release()
-        self._o1.phase = O1Sealed([], tiered=state)
-        self._o1.transitioned = True
-        self._lifecycle = Lifecycle.SEALED
-        return True
+        return self._o1_enter_sealed(O1Sealed([], tiered=state))
 
     def _nystrom_kernels(self):
         # The state calls nystrom_prefill/absorb/step on the layer's backend.
