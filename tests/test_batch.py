@@ -75,10 +75,11 @@ def test_a_torch_batch_of_queries_is_read_in_place():
     assert np.array_equal(got, kvreg.attend_batch(q, twins))
 
 
-def test_sealed_layers_step_on_their_own_inside_a_batch():
+@pytest.mark.parametrize("far", ["nystrom", "tiered"])
+def test_sealed_layers_step_on_their_own_inside_a_batch(far):
     plain = _layer(30, seed=3)
     sealing = LayerKvCache(NKV, HD, "f32", "reference")
-    sealing.o1_begin(4, 8, 2, auto=True)
+    sealing.o1_begin(4, 8, 2, auto=True, far=far)
     rng = np.random.default_rng(4)
     k = rng.standard_normal((24, NKV, HD)).astype(np.float32)
     sealing.extend(k, k * 0.5, layout="nhd")

@@ -135,10 +135,11 @@ def test_n_forks_of_a_4k_prompt_hold_it_once(backend):
     assert np.array_equal(parent.attend_layer(q), twin.attend_layer(q))
 
 
+@pytest.mark.parametrize("far", ["nystrom", "tiered"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_fork_answers_as_a_deep_copy_and_the_seal_leaves_siblings(backend):
+def test_a_fork_answers_as_a_deep_copy_and_the_seal_leaves_siblings(backend, far):
     parent = _prompt(backend, "f32", 0)
-    parent.o1_begin(4, 8, 2, auto=True)
+    parent.o1_begin(4, 8, 2, auto=True, far=far)
     rng = np.random.default_rng(3)
     q = rng.standard_normal((NKV * HPK, HD)).astype(np.float32)
     k, v = _rows(rng, 24)                     # the prompt, its queries recorded
