@@ -47,7 +47,7 @@ How it fits transformers (5.x):
   enough rows (``w + sink + heavy + 1``); the cache just appends and attends.
   The default far field, ``o1_far="tiered"`` (:mod:`kvreg.tiered_seal`),
   keeps ``sink + w + heavy`` exact rows chosen by attention mass and the
-  next rows in 4 bits, in the memory of ``m`` exact rows;
+  next rows in 4 bits, in the memory of ``m`` float32 rows;
   ``o1_far="nystrom"`` is the seed's landmark estimator. Every KV mode
   seals (from its rows as attention reads them); a layer whose seal cannot
   be made stays exact, with a warning.
@@ -204,7 +204,7 @@ class KvregCache(Cache):
     """
 
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
-                 budget: int | None = None, sink: int = 0, o1: tuple[int, int, int] | None = None,
+                 budget: int | None = None, sink: int = 0, o1: tuple[int, ...] | None = None,
                  o1_far: str = "tiered", q8_exact_rows: int = Q8_EXACT_ROWS):
         config = model.config.get_text_config(decoder=True) if hasattr(model, "config") else None
         model_type = getattr(config, "model_type", None)
