@@ -27,7 +27,7 @@ install: $(STAMP)
 
 run: install
 	$(BIN)/kvreg generate --model smollm2-135m --tokens 64
-	$(BIN)/kvreg eval --model smollm2-135m --tokens 384 --prefix 128 --configs dynamic,f16,q8,q4,born:192
+	$(BIN)/kvreg eval --model smollm2-135m --tokens 384 --prefix 128 --configs dynamic,f16,q8,q4,born:104,o1:16:64:4
 
 test: install
 	$(BIN)/python -m pytest tests tools/tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
