@@ -296,16 +296,7 @@ class O1Mixin:
         rows = col.q_rows
         trace = (rows[0] if len(rows) == 1 else np.concatenate(rows)).reshape(-1, num_heads, hd)
         pick = None if stride == 1 else np.arange(t) // stride
-        st = self._st
-        # Every mode seals from its rows as attention reads them (widened,
-        # dequantized, un-rotated float32); the sealed state is float32.
-        keys, values = (st.k[:, :t], st.v[:, :t]) if self.mode is KvMode.F32 else self._widened_rows(0, t)
-        # The far-field fit of a NaN/inf row is NaN everywhere: a malformed
-        # prerequisite like the others (abort and latch), found before any
-        # group converts.
-        for name, a in (("query trace", trace), ("keys", keys), ("values", values)):
-            if not np.isfinite(a).all():
-                raise SealError(f"o1 seal: the {name} hold NaN/inf; the Nyström far field needs finite rows")
+        keys, values = self._seal_rows("Nyström", trace)
 
         def seal_group(g: int) -> NystromState:
             state = NystromState.new_group(col.m, col.w, col.sink, hpk, scale=self._o1.scale,
@@ -352,15 +343,25 @@ class O1Mixin:
             return col.sink + col.w + (col.m if col.heavy is None else col.heavy) + 1
         return o1_deferred_boundary(col.w, col.sink, col.m)
 
+    def _seal_rows(self, far: str, trace: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's rows ``[nkv, t, hd]`` as attention reads them (widened,
+        dequantized, un-rotated float32): every mode seals from them. A
+        NaN/inf there (or in the query ``trace``) makes the far field NaN: a
+        malformed prerequisite like the others (abort and latch), found
+        before anything converts."""
+        t, st = self._seq_len, self._st
+        keys, values = (st.k[:, :t], st.v[:, :t]) if self.mode is KvMode.F32 else self._widened_rows(0, t)
+        named = (("query trace", trace),) if trace is not None else ()
+        for name, a in named + (("keys", keys), ("values", values)):
+            if not np.isfinite(a).all():
+                raise SealError(f"o1 seal: the {name} hold NaN/inf; the {far} far field needs finite rows")
+        return keys, values
+
     def _seal_tiered(self, col: O1Collecting, num_heads: int) -> bool:
         """The ``far="tiered"`` seal (:mod:`kvreg.tiered_seal`): from the rows
         as attention reads them and their accumulated mass."""
-        t, st = self._seq_len, self._st
-        keys, values = (st.k[:, :t], st.v[:, :t]) if self.mode is KvMode.F32 else self._widened_rows(0, t)
-        mass = np.array(st.imp[:t], dtype=np.float32)
-        for name, a in (("keys", keys), ("values", values)):
-            if not np.isfinite(a).all():
-                raise SealError(f"o1 seal: the {name} hold NaN/inf; the tiered far field needs finite rows")
+        keys, values = self._seal_rows("tiered")
+        mass = np.array(self._st.imp[:self._seq_len], dtype=np.float32)
         state = TieredSeal(col.m, col.w, col.sink, col.m if col.heavy is None else col.heavy,
                            num_kv_heads=self.num_kv_heads, hpk=num_heads // self.num_kv_heads,
                            head_dim=self.head_dim, scale=self._o1.scale, fmt=exact_format(self.mode))

@@ -85,6 +85,7 @@ class Tier:
         else:
             dt = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16}[fmt]
             self.k, self.v = np.zeros(shape, dt), np.zeros(shape, dt)
+            self.ks = self.vs = None
         self.pos = np.zeros((nkv, cap), np.int64)
         self.mass = np.zeros((nkv, cap), np.float32)
 
@@ -94,8 +95,7 @@ class Tier:
         return Tier(fmt, 1, 1, hd).nbytes()
 
     def arrays(self) -> list:
-        return [a for a in (self.k, self.v, getattr(self, "ks", None), getattr(self, "vs", None), self.pos,
-                            self.mass) if a is not None]
+        return [a for a in (self.k, self.v, self.ks, self.vs, self.pos, self.mass) if a is not None]
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
