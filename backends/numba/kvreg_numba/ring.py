@@ -28,7 +28,7 @@ from .kernels import (
     _accumulate,
     _dot,
     _max_nan,
-    _scores_h4,
+    _scores,
     _sum,
     _scratch,
     fexp,
@@ -112,7 +112,7 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
             slot = (start + j0 + r) % window
             m = min(SUB_ROWS, nr - r, window - slot)
             _rotate_rows(ring_k, g, slot, m, tcos, tsin, j0 + r, kbuf)
-            _scores_h4(qr, g * hpk, hpk, kbuf, m, scale, Et, r)  # rows in L1
+            _scores(qr, g * hpk, hpk, kbuf, m, scale, Et, r)  # rows in L1
             r += m
         for h in range(hpk):
             e = Et[h, :nr]
