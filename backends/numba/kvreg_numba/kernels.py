@@ -32,7 +32,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import chosen_threads
+from kvreg.threads import SMALL_WORK_BYTES, chosen_threads
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -1515,6 +1515,21 @@ def _rows_bytes(firsts, ns, hd, k, v):
 
 
 def _run(nbytes, *args):
+    if nbytes < SMALL_WORK_BYTES:
+        # One thread whatever the budget (kvreg.threads.chosen_threads), so
+        # no schedule to set: the host's decode call of a small model pays
+        # ~3 us here instead of ~11 through the context managers.
+        _start_threading_layer()
+        old = numba.get_num_threads()
+        if old == 1:
+            attend_groups(*args)
+            return
+        numba.set_num_threads(1)
+        try:
+            attend_groups(*args)
+        finally:
+            numba.set_num_threads(old)
+        return
     # Dynamic scheduling (config.TASK_CHUNK tasks at a time): a thread that
     # loses its core on a shared machine, or draws a short group, no longer
     # stalls the others. Every task writes its own slot and the merge runs
@@ -1548,21 +1563,47 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     nkv = lens.shape[0]
     nh, hd = q.shape
     hpk = nh // nkv
-    n = lens if upto is None else np.minimum(lens, upto)
-    if window > 0:
-        firsts = np.maximum(n - window, 0)
-    else:
-        firsts = np.zeros(nkv, np.int64)
-    firsts = np.minimum(firsts, np.maximum(n - 1, 0)).astype(np.int64)
     if out is None:
         out = np.empty((nh, hd), np.float32)
-    n = n.astype(np.int64)
     block = int(block or config.DECODE_BLOCK)
-    _run(_rows_bytes(firsts, n, hd, k, v), q, hpk, np.arange(nkv, dtype=np.int64), firsts, n,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
-                  np.float32(scale), np.float32(softcap), _sinks(sinks),
-                  block, _imp(imp), out, _scratch(scratch_floats(nh, hpk, hd, firsts, n, block)))
+    elem = sum(1 if a is None else a.dtype.itemsize for a in (k, v))
+    firsts, n, nbytes, nfloats = _decode_plan(lens, -1 if upto is None else int(upto), int(window), block, hpk, hd,
+                                              elem)
+    _run(nbytes, q, hpk, _group_ids(nkv), firsts, n,
+         *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
+         np.float32(scale), np.float32(softcap), _sinks(sinks), block, _imp(imp), out, _scratch(nfloats))
     return out
+
+
+@njit(nogil=True, cache=_CACHE)
+def _decode_plan(lens, upto, window, block, hpk, hd, elem_bytes):
+    """:func:`attend_layer`'s visible rows per group, ``first = max(0, n -
+    window)`` (``window`` 0: none) clamped below ``n``, ``n = min(lens,
+    upto)`` (``upto`` < 0: none), with the bytes of K/V rows the call reads
+    (``elem_bytes`` per channel of a row, K and V) and the scratch floats
+    :func:`attend_groups` needs (:func:`scratch_floats`): one dispatch in
+    place of a dozen numpy calls on arrays of a few elements (~10 us a
+    decode call)."""
+    nkv = lens.shape[0]
+    firsts = np.empty(nkv, np.int64)
+    ns = np.empty(nkv, np.int64)
+    rows = 0
+    ntask = 0
+    for g in range(nkv):
+        n = lens[g] if upto < 0 else min(lens[g], upto)
+        f = max(n - window, 0) if window > 0 else 0
+        f = min(f, max(n - 1, 0))
+        firsts[g] = f
+        ns[g] = n
+        if n > 0:
+            rows += n - f
+            ntask += (n - f + block - 1) // block
+    return firsts, ns, rows * hd * elem_bytes, ntask * hpk * (block + 3 + hd)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_ids(nkv):
+    return np.arange(nkv, dtype=np.int64)  # never written (a read-only array would be another compile)
 
 
 def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=None,
