@@ -7,7 +7,7 @@ class AttendLayerDecode:
     """One decode step of one layer over ``rows`` stored rows (importance
     accumulated, as an engine running Born eviction does)."""
 
-    params = [common.backend_names(), [1024, 4096, 16384]]
+    params = [common.backend_names(), [1024, 4096, 16384, 65536]]
     param_names = ["backend", "rows"]
 
     def setup(self, name, rows):
@@ -25,3 +25,27 @@ class AttendLayerDecode:
         return self.layer.memory_bytes() / t / 1e9 / common.stream_bandwidth()
 
     track_bandwidth_fraction.unit = "fraction of stream bandwidth"
+
+
+class AttendLayerVsNumba:
+    """A backend's decode throughput over kvreg-numba's on the same rows,
+    same process (issue 17: OpenCL on PoCL at least 0.5 at 4k-16k rows)."""
+
+    params = [common.backend_names(), [4096, 16384]]
+    param_names = ["backend", "rows"]
+
+    def setup(self, name, rows):
+        if name == "numba" or "numba" not in common.backend_names():
+            raise NotImplementedError("compared against numba")
+        self.layer = common.layer(name, rows)
+        self.numba = common.layer("numba", rows)
+        self.q = common.queries(1)[0]
+        self.layer.attend_layer(self.q)
+        self.numba.attend_layer(self.q)
+
+    def track_throughput_vs_numba(self, name, rows):
+        t = common.best_time(lambda: self.layer.attend_layer(self.q))
+        tn = common.best_time(lambda: self.numba.attend_layer(self.q))
+        return tn / t
+
+    track_throughput_vs_numba.unit = "x numba's throughput"

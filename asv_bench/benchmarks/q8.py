@@ -27,6 +27,20 @@ class Q8Append:
         self.i += 1
         self.layer.append(r, r)
 
+    def track_over_memcpy(self, name, kv):
+        """One append (K and V) over copying the same two rows with numpy,
+        same process (issue 17: OpenCL's q8 append at most 20x)."""
+        dst = np.empty_like(self.rows[0])
+
+        def copy():
+            np.copyto(dst, self.rows[self.i & 255])
+            np.copyto(dst, self.rows[self.i & 255])
+
+        t = common.best_time(lambda: self.time_append(name, kv))
+        return t / common.best_time(copy)
+
+    track_over_memcpy.unit = "x a memcpy of the rows"
+
 
 class Q8Decode:
     params = [common.backend_names(), [4096, 16384]]
