@@ -32,7 +32,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import SMALL_WORK_BYTES, chosen_threads
+from kvreg.threads import SMALL_WORK_BYTES, chosen_threads, explicit_threads
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -365,7 +365,6 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
     nwin = builder.sdiv(hd, c(LANES * WSUM_WINDOW))
     hasvs = builder.icmp_signed(">", builder.extract_value(vsc.shape, 0), c(0))
     wbuf = cgutils.alloca_once(builder, f32, size=4 * WSUM_ROWS)
-    wslot = lambda h, i: builder.gep(wbuf, [builder.add(c(h * WSUM_ROWS), i)])
     nsb = builder.sdiv(builder.add(nr, c(WSUM_ROWS - 1)), c(WSUM_ROWS))
     with cgutils.for_range(builder, nsb) as sbl:
         r0 = builder.mul(sbl.index, c(WSUM_ROWS))
@@ -376,31 +375,38 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
             for h in range(4):
                 with builder.if_then(builder.icmp_signed(">", nh, c(h))):
                     w = builder.load(_elem_ptr(builder, E, c(h), builder.add(col, r), f32))
+                    slot = builder.gep(wbuf, [builder.add(c(h * WSUM_ROWS), rl.index)])
                     with builder.if_else(hasvs) as (scaled, plain):
                         with scaled:
                             s = builder.load(builder.gep(vsc.data, [builder.add(vrow0, r)]))
-                            builder.store(builder.fmul(w, s), wslot(h, rl.index))
+                            builder.store(builder.fmul(w, s), slot)
                         with plain:
-                            builder.store(w, wslot(h, rl.index))
+                            builder.store(w, slot)
+
+        def one_pass(h0, nheads, d0, width):
+            # heads [h0, h0 + nheads) x chunks [d0, d0 + width * LANES) in
+            # registers across the sub-block's rows
+            ptrs = [[_elem_ptr(builder, acc, builder.add(h0, c(h)), builder.add(d0, c(k * LANES)), vt)
+                     for k in range(width)] for h in range(nheads)]
+            accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row] for row in ptrs]
+            with cgutils.for_range(builder, m) as rl:
+                ws = [_broadcast(builder, builder.load(builder.gep(
+                    wbuf, [builder.add(builder.mul(builder.add(h0, c(h)), c(WSUM_ROWS)), rl.index)])), vt)
+                    for h in range(nheads)]
+                r = builder.add(r0, rl.index)
+                for k in range(width):
+                    raw = builder.load(_elem_ptr(builder, vb, r, builder.add(d0, c(k * LANES)), _raw_vector(vkind)),
+                                       align=1)
+                    v = _ir_widen(builder, raw, vkind)
+                    for h in range(nheads):
+                        builder.store(_ir_fma(builder, ws[h], v, builder.load(accs[h][k])), accs[h][k])
+            for row, arow in zip(ptrs, accs):
+                for p, a in zip(row, arow):
+                    builder.store(builder.load(a), p, align=4)
 
         def passes(nheads):
             with cgutils.for_range(builder, nwin) as wl:
-                d0 = builder.mul(wl.index, c(LANES * WSUM_WINDOW))
-                ptrs = [[_elem_ptr(builder, acc, c(h), builder.add(d0, c(k * LANES)), vt)
-                         for k in range(WSUM_WINDOW)] for h in range(nheads)]
-                accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row] for row in ptrs]
-                with cgutils.for_range(builder, m) as rl:
-                    ws = [_broadcast(builder, builder.load(wslot(h, rl.index)), vt) for h in range(nheads)]
-                    r = builder.add(r0, rl.index)
-                    for k in range(WSUM_WINDOW):
-                        raw = builder.load(_elem_ptr(builder, vb, r, builder.add(d0, c(k * LANES)),
-                                                     _raw_vector(vkind)), align=1)
-                        v = _ir_widen(builder, raw, vkind)
-                        for h in range(nheads):
-                            builder.store(_ir_fma(builder, ws[h], v, builder.load(accs[h][k])), accs[h][k])
-                for row, arow in zip(ptrs, accs):
-                    for p, a in zip(row, arow):
-                        builder.store(builder.load(a), p, align=4)
+                one_pass(c(0), nheads, builder.mul(wl.index, c(LANES * WSUM_WINDOW)), WSUM_WINDOW)
 
         def unrolled(nch):
             # every chunk of a row in one pass: rows read in order, once
@@ -409,24 +415,7 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
 
             def group(h0, nheads):
                 for k0 in range(0, nch, cw):
-                    ptrs = [[_elem_ptr(builder, acc, builder.add(h0, c(h)), c((k0 + k) * LANES), vt)
-                             for k in range(cw)] for h in range(nheads)]
-                    accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row]
-                            for row in ptrs]
-                    with cgutils.for_range(builder, m) as rl:
-                        ws = [_broadcast(builder, builder.load(builder.gep(
-                            wbuf, [builder.add(builder.mul(builder.add(h0, c(h)), c(WSUM_ROWS)), rl.index)])), vt)
-                            for h in range(nheads)]
-                        r = builder.add(r0, rl.index)
-                        for k in range(cw):
-                            raw = builder.load(_elem_ptr(builder, vb, r, c((k0 + k) * LANES), _raw_vector(vkind)),
-                                               align=1)
-                            v = _ir_widen(builder, raw, vkind)
-                            for h in range(nheads):
-                                builder.store(_ir_fma(builder, ws[h], v, builder.load(accs[h][k])), accs[h][k])
-                    for row, arow in zip(ptrs, accs):
-                        for p, a in zip(row, arow):
-                            builder.store(builder.load(a), p, align=4)
+                    one_pass(h0, nheads, c(k0 * LANES), cw)
 
             full = builder.sdiv(nh, c(per))
             with cgutils.for_range(builder, full) as gl:
@@ -443,7 +432,7 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
         for k, cond in zip(WSUM_CHUNKS, built):
             with builder.if_then(cond):
                 unrolled(k)
-        with builder.if_then(builder.not_(builder.or_(builder.or_(built[0], built[1]), built[2]))):
+        with builder.if_then(builder.not_(functools.reduce(builder.or_, built))):
             _per_head_count(builder, nh, passes)
         # channels past the last window, one at a time
         with cgutils.for_range_slice(builder, builder.mul(nwin, c(LANES * WSUM_WINDOW)), hd, c(1)) as (d, _):
@@ -1515,10 +1504,11 @@ def _rows_bytes(firsts, ns, hd, k, v):
 
 
 def _run(nbytes, *args):
-    if nbytes < SMALL_WORK_BYTES:
-        # One thread whatever the budget (kvreg.threads.chosen_threads), so
-        # no schedule to set: the host's decode call of a small model pays
-        # ~3 us here instead of ~11 through the context managers.
+    if nbytes < SMALL_WORK_BYTES or explicit_threads() == 1:
+        # One thread (kvreg.threads.chosen_threads answers 1 for small work
+        # whatever the budget, and an explicit budget of 1 is 1), so no
+        # schedule to set: ~3 us here instead of ~11 through the context
+        # managers, in a tight loop.
         _start_threading_layer()
         old = numba.get_num_threads()
         if old == 1:
