@@ -32,7 +32,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import SMALL_WORK_BYTES, chosen_threads, explicit_threads
+from kvreg.threads import chosen_threads
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -474,10 +474,9 @@ def _wsum(typingctx, E, col, vb, nr, acc, vsc, vrow0):
 
 #: K rows per load of q's chunks in :func:`_qk`'s unrolled loop.
 QK_SUB = 32
+#: Chunk counts with an unrolled score loop: hd 64 and 128 (hd 256 unrolled,
+#: with three or four heads' q spilled, compiled 9 s slower and ran no faster).
 QK_CHUNKS = (4, 8)
-#: Most q chunks loaded once per :data:`QK_SUB` rows (more spill: hd 256 with
-#: three or four heads compiled 9 s slower and ran no faster).
-QK_HOIST = 32
 
 
 def _ir_tree_sums(builder, accs):
@@ -569,17 +568,14 @@ def _qk(typingctx, q, E, col, kb, nr, scale):
                 end = builder.add(r0, c(QK_SUB))
                 r1 = builder.select(builder.icmp_signed("<", end, nr_), end, nr_)
                 qptr = [_elem_ptr(builder, qa, c(h), c(0), vt) for h in range(nheads)]
-                hoist = nheads * nch <= QK_HOIST
-                qv = [[builder.load(builder.gep(qptr[h], [c(k)]), align=4) if hoist else None for k in range(nch)]
-                      for h in range(nheads)]
+                qv = [[builder.load(builder.gep(qptr[h], [c(k)]), align=4) for k in range(nch)] for h in range(nheads)]
                 with cgutils.for_range_slice(builder, r0, r1, c(1)) as (r, _):
                     accs = [ir.Constant(vt, [0.0] * LANES)] * nheads
                     for k in range(nch):
                         raw = builder.load(_elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind)), align=2)
                         kv = _ir_widen(builder, raw, kkind)
                         for h in range(nheads):
-                            qx = qv[h][k] if hoist else builder.load(builder.gep(qptr[h], [c(k)]), align=4)
-                            accs[h] = _ir_fma(builder, qx, kv, accs[h])
+                            accs[h] = _ir_fma(builder, qv[h][k], kv, accs[h])
                     for h, d in enumerate(_ir_tree_sums(builder, accs)):
                         builder.store(builder.fmul(d, args[5]), _elem_ptr(builder, Ea, c(h), builder.add(col_, r), f32))
 
@@ -1482,16 +1478,16 @@ def thread_budget(nbytes, kind="decode"):
     thread and the budget, measured per ``kind`` of call). numba's
     ``set_num_threads`` is per calling thread, so a host's own numba code
     keeps its setting. The bits do not depend on the count (every reduction
-    has a fixed order)."""
+    has a fixed order). Yields the count."""
     _start_threading_layer()
     with chosen_threads(int(nbytes), "numba." + kind, cap=numba.config.NUMBA_NUM_THREADS) as want:
         old = numba.get_num_threads()
         if want == old:
-            yield
+            yield want
             return
         numba.set_num_threads(want)
         try:
-            yield
+            yield want
         finally:
             numba.set_num_threads(old)
 
@@ -1504,28 +1500,16 @@ def _rows_bytes(firsts, ns, hd, k, v):
 
 
 def _run(nbytes, *args):
-    if nbytes < SMALL_WORK_BYTES or explicit_threads() == 1:
-        # One thread (kvreg.threads.chosen_threads answers 1 for small work
-        # whatever the budget, and an explicit budget of 1 is 1), so no
-        # schedule to set: ~3 us here instead of ~11 through the context
-        # managers, in a tight loop.
-        _start_threading_layer()
-        old = numba.get_num_threads()
-        if old == 1:
-            attend_groups(*args)
-            return
-        numba.set_num_threads(1)
-        try:
-            attend_groups(*args)
-        finally:
-            numba.set_num_threads(old)
-        return
     # Dynamic scheduling (config.TASK_CHUNK tasks at a time): a thread that
     # loses its core on a shared machine, or draws a short group, no longer
     # stalls the others. Every task writes its own slot and the merge runs
     # in block order, so the schedule cannot change a bit. Set from Python:
-    # inside a kernel it would make the kernel uncacheable.
-    with thread_budget(nbytes):
+    # inside a kernel it would make the kernel uncacheable. On one thread
+    # there is no schedule to set (two calls fewer a decode).
+    with thread_budget(nbytes) as n:
+        if n == 1:
+            attend_groups(*args)
+            return
         old = set_parallel_chunksize(config.TASK_CHUNK)
         try:
             attend_groups(*args)
