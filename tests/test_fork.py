@@ -13,9 +13,10 @@ import pytest
 import kvreg
 import kvreg._snapshot
 from kvreg import KvCache, LayerKvCache
+from kvreg.testing import startable_backends
 
 NKV, HD, HPK = 2, 32, 2
-BACKENDS = [b for b in ("reference", "numba", "opencl") if b in kvreg.backends()]
+BACKENDS = startable_backends(("reference", "numba", "opencl"))
 
 
 def _rows(rng, n=1):

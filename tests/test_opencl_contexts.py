@@ -14,9 +14,12 @@ programs = pytest.importorskip("kvreg_opencl.programs")
 @pytest.fixture(scope="module")
 def selector():
     try:
-        return device.list_devices()[0].selector
+        ok, why = device.usable_devices()
     except kvreg.KvregError as exc:
         pytest.skip(f"no OpenCL device: {exc}")
+    if not ok:
+        pytest.skip(f"no usable OpenCL device: {'; '.join(why.values())}")
+    return ok[0].selector
 
 
 def answer(backend):

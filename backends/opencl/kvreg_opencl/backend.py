@@ -96,16 +96,24 @@ class OpenCLBackend(ReferenceBackend):
 
     @classmethod
     def devices(cls) -> list[str]:
-        """``"p:d"`` per OpenCL device (a spec the constructor accepts);
-        BackendError (with the install hint) when there is none."""
+        """``"p:d"`` per OpenCL device that opens (a spec the constructor
+        accepts; a device whose compiler cannot build is left out: see
+        :class:`~kvreg_opencl.device.DeviceState`); BackendError (with the
+        install hint, or why each device cannot open) when there is none."""
         _pocl_threads()
-        return [d.selector for d in _device.list_devices()]
+        ok, why = _device.usable_devices()
+        if not ok:
+            raise BackendError("kvreg-opencl: no usable OpenCL device: " + "; ".join(why.values()))
+        return [d.selector for d in ok]
 
     @classmethod
     def device_labels(cls) -> list[str]:
-        """``"p:d name (KIND)"`` per OpenCL device, for ``kvreg info``."""
+        """``"p:d name (KIND)"`` per OpenCL device, for ``kvreg info``
+        (``unusable: why`` for one that cannot open)."""
         _pocl_threads()
-        return [f"{d.selector} {d.name} ({d.kind})" for d in _device.list_devices()]
+        _, why = _device.usable_devices()
+        return [f"{d.selector} {d.name} ({d.kind})" + (f" unusable: {why[d.selector]}" if d.selector in why else "")
+                for d in _device.list_devices()]
 
     def mirror(self, kv) -> DeviceMirror:
         """The (synced) device mirror of the storage ``kv`` views (a view

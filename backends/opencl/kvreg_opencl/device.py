@@ -10,6 +10,7 @@ context and queue are made on first use and then reused.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from dataclasses import dataclass
 
@@ -27,6 +28,8 @@ _states: dict = {}
 # reached it: the program and scratch caches are per context, and two
 # contexts on one device would hand a launch buffers of the other.
 _by_device: dict = {}
+# (platform, device) -> the BackendError its opening raised (its compiler cannot build)
+_unusable: dict = {}
 _reset_hooks: list = []
 
 
@@ -134,6 +137,21 @@ def list_devices() -> list[DeviceInfo]:
     return [_info(cl, pi, di, plat, dev) for pi, di, plat, dev in _enumerate(cl)]
 
 
+def usable_devices() -> tuple[list[DeviceInfo], dict[str, str]]:
+    """The devices that open (each is opened: a context and the probe
+    build, kept for later use) and, per selector, why each other one
+    cannot."""
+    ok, why = [], {}
+    for d in list_devices():
+        try:
+            get_device(d.selector)
+        except BackendError as exc:
+            why[d.selector] = str(exc)
+        else:
+            ok.append(d)
+    return ok, why
+
+
 def parse_selector(text: str) -> tuple | str:
     """``"1:0"`` -> (1, 0); ``"2"`` -> (2, 0) (pyopencl's form); ``"gpu"`` /
     ``"cpu"`` -> ("kind", "GPU") (the first device of that kind); anything
@@ -180,8 +198,17 @@ def choose(entries, kvreg_device: str | None, pyopencl_ctx: str | None, cl_modul
     return entries[0]
 
 
+#: Built once per device when it is opened: a device whose OpenCL compiler
+#: cannot build this cannot run any kvreg kernel.
+_PROBE = "__kernel void kvreg_probe(__global float *x) { x[get_global_id(0)] += 1.0f; }"
+
+
 class DeviceState:
-    """The chosen device with its context and in-order queue."""
+    """The chosen device with its context and in-order queue. Opening it
+    builds a one-line program, so a device whose compiler cannot build
+    (seen: PoCL 3.0's LLVM 14 on an AMD Zen 5 CPU, which it cannot name:
+    "unknown target CPU 'generic'") fails here, as a device that cannot
+    start, not at the first attend."""
 
     def __init__(self, cl, pi, di, plat, dev):
         self.cl = cl
@@ -189,6 +216,15 @@ class DeviceState:
         self.info = _info(cl, pi, di, plat, dev)
         self.context = cl.Context([dev])
         self.queue = cl.CommandQueue(self.context)
+        try:
+            cl.Program(self.context, _PROBE).build()
+        except cl.RuntimeError as exc:
+            errors = re.findall(r"error: [^\n]*", str(exc))
+            log = errors[0] if errors else " ".join(str(exc).split())[-200:]
+            raise BackendError(f"kvreg-opencl: the OpenCL compiler of {dev.name.strip()!r} cannot build "
+                               f"programs for it ({log}); with PoCL this is a CPU its LLVM does not know "
+                               "(a newer pocl-binary-distribution / pyopencl may), else pick another device "
+                               "with KVREG_DEVICE or another backend with KVREG_BACKEND") from None
 
     def __repr__(self) -> str:
         i = self.info
@@ -213,8 +249,14 @@ def get_device(selector: str | None = None) -> DeviceState:
                 e = choose(entries, key, None, cl)
             st = _by_device.get((e[0], e[1]))
             if st is None:
+                failed = _unusable.get((e[0], e[1]))
+                if failed is not None:
+                    raise failed
                 try:
                     st = DeviceState(cl, *e)
+                except BackendError as exc:
+                    _unusable[(e[0], e[1])] = exc   # not probed again in this process
+                    raise
                 except Exception as exc:
                     raise BackendError(f"kvreg-opencl: cannot open {e[3].name.strip()!r}: {exc}; "
                                        f"{INSTALL_HINT}") from exc
@@ -240,6 +282,7 @@ def reset_device() -> None:
     with _lock:
         _states.clear()
         _by_device.clear()
+        _unusable.clear()
         hooks = list(_reset_hooks)
     for hook in hooks:
         hook()

@@ -77,7 +77,7 @@ def test_chunk_matches_reference(backends, small_blocks):
     close(a.imp, b.imp, "chunk importance")
 
 
-def test_plugin_registers_opencl():
+def test_plugin_registers_opencl(dev):
     from kvreg import registry
 
     import kvreg_opencl.plugin

@@ -87,3 +87,52 @@ def test_import_creates_no_context():
     code = ("import sys, kvreg_opencl, kvreg_opencl.plugin, kvreg_opencl.backend, kvreg_opencl.device; "
             "assert 'pyopencl' not in sys.modules, 'pyopencl imported at import time'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _BuildFailure(Exception):
+    pass
+
+
+class _NoCompiler:
+    """A program whose build fails as PoCL's does on a CPU its LLVM cannot name."""
+
+    def __init__(self, ctx, src):
+        pass
+
+    def build(self, options=None):
+        raise _BuildFailure("Build on <pyopencl.Device 'pthread-X'>:\n\nerror: unknown target CPU 'generic'\n"
+                            "Device pthread-X failed to build the program")
+
+
+def _broken_platform(monkeypatch):
+    cl = SimpleNamespace(Context=lambda devs: object(), CommandQueue=lambda ctx: object(), Program=_NoCompiler,
+                         RuntimeError=_BuildFailure, device_type=FAKE_CL.device_type,
+                         device_fp_config=SimpleNamespace(CORRECTLY_ROUNDED_DIVIDE_SQRT=128, ROUND_TO_NEAREST=4,
+                                                          DENORM=2))
+    dev = SimpleNamespace(name="pthread-X", type=CPU, max_compute_units=2, global_mem_size=1 << 30,
+                          local_mem_size=1 << 16, single_fp_config=0, double_fp_config=0, extensions="")
+    plat = SimpleNamespace(name="Portable Computing Language", get_devices=lambda: [dev])
+    device.reset_device()
+    monkeypatch.setattr(device, "_cl", lambda: cl)
+    monkeypatch.setattr(device, "_platforms", lambda cl: [plat])
+    monkeypatch.delenv("KVREG_DEVICE", raising=False)
+    monkeypatch.delenv("PYOPENCL_CTX", raising=False)
+
+
+def test_a_device_whose_compiler_cannot_build_does_not_open_and_is_not_listed_as_usable(monkeypatch):
+    from kvreg_opencl.backend import OpenCLBackend
+
+    _broken_platform(monkeypatch)
+    try:
+        with pytest.raises(BackendError, match="cannot build programs for it .error: unknown target CPU 'generic'"):
+            device.get_device()
+        with pytest.raises(BackendError, match="cannot build"):   # remembered, and refused again
+            device.get_device("0:0")
+        ok, why = device.usable_devices()
+        assert ok == [] and list(why) == ["0:0"] and "unknown target CPU" in why["0:0"]
+        with pytest.raises(BackendError, match="no usable OpenCL device"):
+            OpenCLBackend.devices()
+        assert "unusable: " in OpenCLBackend.device_labels()[0]
+    finally:
+        monkeypatch.undo()
+        device.reset_device()
