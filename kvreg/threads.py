@@ -186,21 +186,30 @@ def chooser(kind: str) -> Chooser:
     return c
 
 
+def pick(work_bytes: int, kind: str, cap: int | None = None) -> tuple[int, Chooser | None, int]:
+    """:func:`chosen_threads`' choice as a plain call, for a backend's
+    per-call hot path: ``(threads, chooser, budget)``. When ``chooser`` is
+    not None (the default budget, work past :data:`SMALL_WORK_BYTES`), time
+    the call and hand it ``chooser.record(threads, budget, work_bytes, ns)``."""
+    if work_bytes < SMALL_WORK_BYTES:
+        return 1, None, 1
+    budget = explicit_threads()
+    if budget is not None:
+        return (budget if cap is None else max(1, min(budget, cap))), None, budget
+    budget = default_threads() if cap is None else max(1, min(default_threads(), cap))
+    c = chooser(kind)
+    return c.choose(budget), c, budget
+
+
 @contextmanager
 def chosen_threads(work_bytes: int, kind: str, cap: int | None = None):
     """Threads for one parallel call reading ``work_bytes`` of rows: yields
     the count to run it on and, under the default budget, times the call
     for ``kind``'s :class:`Chooser`. ``cap``: the most the backend can run."""
-    if work_bytes < SMALL_WORK_BYTES:
-        yield 1
+    n, c, budget = pick(work_bytes, kind, cap)
+    if c is None:
+        yield n
         return
-    budget = explicit_threads()
-    if budget is not None:
-        yield budget if cap is None else max(1, min(budget, cap))
-        return
-    budget = default_threads() if cap is None else max(1, min(default_threads(), cap))
-    c = chooser(kind)
-    n = c.choose(budget)
     t0 = time.perf_counter_ns()
     yield n
     c.record(n, budget, work_bytes, time.perf_counter_ns() - t0)

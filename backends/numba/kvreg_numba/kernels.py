@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from contextlib import contextmanager
 
 import numba
@@ -32,7 +33,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import chosen_threads
+from kvreg.threads import pick
 
 from . import config
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
@@ -1470,26 +1471,43 @@ def _start_threading_layer() -> None:
     _layer_started = True
 
 
+def _enter_budget(nbytes, kind):
+    """Set this thread's numba count to kvreg's budget for a call reading
+    ``nbytes`` of K/V rows (:func:`kvreg.threads.pick`: one thread for small
+    work; under the default budget, the faster of one thread and the
+    budget, measured per ``kind`` of call). Returns what
+    :func:`_exit_budget` needs; the count chosen is its first item. Plain
+    calls, not a context manager: a decode makes one pair (~1 us)."""
+    if not _layer_started:
+        _start_threading_layer()
+    nbytes = int(nbytes)
+    want, chooser, budget = pick(nbytes, "numba." + kind, numba.config.NUMBA_NUM_THREADS)
+    old = numba.get_num_threads()
+    if want != old:
+        numba.set_num_threads(want)
+    return want, old, chooser, budget, nbytes, time.perf_counter_ns() if chooser is not None else 0
+
+
+def _exit_budget(state):
+    want, old, chooser, budget, nbytes, t0 = state
+    if want != old:
+        numba.set_num_threads(old)
+    if chooser is not None:
+        chooser.record(want, budget, nbytes, time.perf_counter_ns() - t0)
+
+
 @contextmanager
 def thread_budget(nbytes, kind="decode"):
     """Run the parallel kernels inside on kvreg's thread budget for a call
-    reading ``nbytes`` of K/V rows (:func:`kvreg.threads.chosen_threads`:
-    one thread for small work; under the default budget, the faster of one
-    thread and the budget, measured per ``kind`` of call). numba's
+    reading ``nbytes`` of K/V rows (:func:`_enter_budget`). numba's
     ``set_num_threads`` is per calling thread, so a host's own numba code
     keeps its setting. The bits do not depend on the count (every reduction
     has a fixed order). Yields the count."""
-    _start_threading_layer()
-    with chosen_threads(int(nbytes), "numba." + kind, cap=numba.config.NUMBA_NUM_THREADS) as want:
-        old = numba.get_num_threads()
-        if want == old:
-            yield want
-            return
-        numba.set_num_threads(want)
-        try:
-            yield want
-        finally:
-            numba.set_num_threads(old)
+    state = _enter_budget(nbytes, kind)
+    try:
+        yield state[0]
+    finally:
+        _exit_budget(state)
 
 
 def _rows_bytes(firsts, ns, hd, k, v):
@@ -1506,15 +1524,14 @@ def _run(nbytes, *args):
     # in block order, so the schedule cannot change a bit. Set from Python:
     # inside a kernel it would make the kernel uncacheable. On one thread
     # there is no schedule to set (two calls fewer a decode).
-    with thread_budget(nbytes) as n:
-        if n == 1:
-            attend_groups(*args)
-            return
-        old = set_parallel_chunksize(config.TASK_CHUNK)
-        try:
-            attend_groups(*args)
-        finally:
-            set_parallel_chunksize(old)
+    state = _enter_budget(nbytes, "decode")
+    chunk = set_parallel_chunksize(config.TASK_CHUNK) if state[0] > 1 else None
+    try:
+        attend_groups(*args)
+    finally:
+        if chunk is not None:
+            set_parallel_chunksize(chunk)
+        _exit_budget(state)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
