@@ -253,6 +253,7 @@ class KvregCache(Cache):
         # One sequence now: a bad mode, backend or geometry fails here, not at
         # the first token. The first forward sizes the list to its batch.
         self._seqs: list[KvCache] = [self._new_sequence()]
+        self._mask_memo = None   # (mask, whether its new column is attended): _new_column
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -418,6 +419,10 @@ class KvregCache(Cache):
             layer.is_initialized = True
 
     def _check_states(self, layer_idx: int, key, value) -> None:
+        ks = key.shape
+        if (ks == value.shape and len(ks) == 4 and ks[1] == self.num_kv_heads and ks[3] == self.head_dim
+                and ks[0] == len(self._seqs) and key.is_cpu and value.is_cpu):
+            return   # every decode step of every layer: nothing to refuse, no sequence to make
         for name, t in (("key_states", key), ("value_states", value)):
             if t.device.type != "cpu":
                 raise ConfigError(f"KvregCache runs on the CPU; {name} of layer {layer_idx} is on {t.device}")
@@ -466,6 +471,14 @@ class KvregCache(Cache):
             raise ShapeError(f"{nh} query heads are not a multiple of {self.num_kv_heads} KV heads")
         window = self.windows[layer_idx] if sliding_window is None else int(sliding_window)
         scale = None if scaling is None else float(scaling)
+        if q_len == 1 and bsz == 1 and self._new_column(mask):
+            # A decode step of one sequence (every layer, every token): numpy
+            # views of the states, no mask ops past the first layer's.
+            layer = self._seqs[0].layers[layer_idx]
+            out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0], _host(value)[0],
+                                        scale, window)
+            out = torch.from_numpy(out).unsqueeze(0)
+            return (out if query.dtype == torch.float32 else out.to(query.dtype)), None
         with torch.no_grad():
             q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
             # K/V stay head-major [b, kvh, n, hd], the storage's layout: a
@@ -530,6 +543,19 @@ class KvregCache(Cache):
         for layer in layers:
             self._bound(layer, window)
 
+    def _new_column(self, mask) -> bool:
+        """Whether the one sequence of a one-token step attends its new
+        column (it is not padding). The layers of a forward share two masks
+        (sliding, global): each is read once, at its first layer."""
+        if mask is None:
+            return True
+        memo = self._mask_memo
+        if memo is not None and memo[0] is mask:
+            return memo[1]
+        new = _new_columns(mask, 0, 1) is None
+        self._mask_memo = (mask, new)   # holding the mask: its id is not reused while memoized
+        return new
+
     def _bound(self, layer, window: int | None) -> None:
         rows = layer.seq_len
         if window is not None:
@@ -543,6 +569,12 @@ class KvregCache(Cache):
                 layer.evict_born(keep, self.sink, max(keep - self.sink, 0))
             else:
                 layer.evict(keep)
+
+
+def _host(t) -> np.ndarray:
+    """A CPU tensor's float32 values as numpy: a view of a float32 one."""
+    t = t.detach()
+    return (t if t.dtype == torch.float32 else t.to(torch.float32)).numpy()
 
 
 def _new_columns(mask, b: int, q_len: int):
