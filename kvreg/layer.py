@@ -80,6 +80,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._lock = threading.RLock()
         self.num_kv_heads = V.positive_int("num_kv_heads", num_kv_heads)
         self.head_dim = V.positive_int("head_dim", head_dim)
+        self._default_scale = np.float32(1.0) / np.sqrt(np.float32(self.head_dim))
         if self.num_kv_heads * self.head_dim > MAX_ROW:
             raise ShapeError(f"num_kv_heads×head_dim = {self.num_kv_heads}×{self.head_dim} is past {MAX_ROW} "
                              "channels per position (2**24)")
@@ -182,7 +183,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     def default_scale(self) -> np.float32:
         """``1/√hd`` in float32 arithmetic (the seed's ``attend``): the score
         scale of every call given none."""
-        return np.float32(1.0) / np.sqrt(np.float32(self.head_dim))
+        return self._default_scale
 
     @property
     def imp(self) -> np.ndarray:
