@@ -1468,7 +1468,18 @@ def _start_threading_layer() -> None:
     numba.set_num_threads(numba.get_num_threads())
     if before is not None and torch.get_num_threads() != before:
         torch.set_num_threads(before)
+    global _get_threads, _set_threads
+    # The threading layer's own per-thread entry points, once it is up:
+    # numba's public get/set_num_threads take two process-wide locks a call
+    # (~1-2 us each, paid twice a decode). Counts set here come from
+    # kvreg.threads.pick, capped to NUMBA_NUM_THREADS, so they need no check.
+    _get_threads = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
+    _set_threads = getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
     _layer_started = True
+
+
+_get_threads = numba.get_num_threads
+_set_threads = numba.set_num_threads
 
 
 def _enter_budget(nbytes, kind):
@@ -1482,16 +1493,16 @@ def _enter_budget(nbytes, kind):
         _start_threading_layer()
     nbytes = int(nbytes)
     want, chooser, budget = pick(nbytes, "numba." + kind, numba.config.NUMBA_NUM_THREADS)
-    old = numba.get_num_threads()
+    old = _get_threads()
     if want != old:
-        numba.set_num_threads(want)
+        _set_threads(want)
     return want, old, chooser, budget, nbytes, time.perf_counter_ns() if chooser is not None else 0
 
 
 def _exit_budget(state):
     want, old, chooser, budget, nbytes, t0 = state
     if want != old:
-        numba.set_num_threads(old)
+        _set_threads(old)
     if chooser is not None:
         chooser.record(want, budget, nbytes, time.perf_counter_ns() - t0)
 
@@ -1557,7 +1568,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     if out is None:
         out = np.empty((nh, hd), np.float32)
     block = int(block or config.DECODE_BLOCK)
-    elem = sum(1 if a is None else a.dtype.itemsize for a in (k, v))
+    elem = (1 if k is None else k.dtype.itemsize) + (1 if v is None else v.dtype.itemsize)
     firsts, n, nbytes, nfloats = _decode_plan(lens, -1 if upto is None else int(upto), int(window), block, hpk, hd,
                                               elem)
     _run(nbytes, q, hpk, _group_ids(nkv), firsts, n,
