@@ -63,7 +63,7 @@ _FLOOR_LOG = 64
 
 def _frozen(a: np.ndarray) -> np.ndarray:
     c = a.copy()
-    c.flags.writeable = False
+    c.setflags(write=False)
     return c
 
 
@@ -189,7 +189,7 @@ class LayerStorage:
         if self._blocks is None:  # arrays (re)allocated since the last view
             self._blocks = (self._rows, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
                             self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
-        counts = tuple(None if a is None else _frozen(a) for a in (getattr(self, n) for n in KV_COUNTS))
+        counts = tuple([None if (a := getattr(self, n)) is None else _frozen(a) for n in KV_COUNTS])
         v = self._view = KvView._make(self._blocks + counts + (self.version, self.reset_version, self._log_start,
                                                                tuple(self._floors)))
         return v

@@ -509,7 +509,7 @@ class KvregCache(Cache):
         if self.o1 is not None and window is None and layer.seq_len == 0 and layer.lifecycle is Lifecycle.PLAIN:
             m, w, sink, *heavy = self.o1
             layer.o1_begin(m, w, sink, scale=scale, auto=True, far=self.o1_far, heavy=heavy[0] if heavy else None)
-        if layer.o1_sealed():
+        if layer.lifecycle is Lifecycle.SEALED:
             # A sealed layer takes a position at a time (a multi-token step: one by one).
             outs = []
             for i in range(n):
@@ -519,7 +519,7 @@ class KvregCache(Cache):
         s0 = layer.seq_len
         if n == 1:
             layer.append(k[:, 0], v[:, 0])  # the seal's boundary, while collecting
-            sealed = layer.o1_sealed()
+            sealed = layer.lifecycle is Lifecycle.SEALED
             out = layer.attend_layer(q[0], scale=scale, window=window, sinks=None if sealed else "layer",
                                      importance=isinstance(self.policy, Born) and not sealed)[None]
         else:
