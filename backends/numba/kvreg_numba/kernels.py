@@ -1781,6 +1781,9 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
     ni = 0 if imp is None else min(imp.shape[0], n)
     for g in range(nkv):
         qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
+        # One read of every value row the chunk sees (the first tile's keys
+        # start lowest); only a group holding a non-finite one checks per tile.
+        finite = _all_finite(v[g, max(0, s0 + 1 - w) if w else 0:n])
         for i0 in range(0, b, bt_max):
             bt = min(bt_max, b - i0)
             klo = max(0, s0 + i0 + 1 - w) if w else 0
@@ -1790,7 +1793,7 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
             with thread_budget(S.nbytes, "chunk"):
                 chunk_softmax(S, scale, s0, i0, bt, klo, w)
             vt = v[g, klo:khi]
-            if _all_finite(vt):
+            if finite or _all_finite(vt):
                 o = _gemm_fixed(S, vt)
             else:
                 # 0 * NaN: a NaN/inf value row would reach through the GEMM
