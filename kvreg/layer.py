@@ -582,12 +582,13 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
-                     window: int | None = None) -> np.ndarray:
+                     window: int | None = None, importance: bool = True) -> np.ndarray:
         """Batched causal attention for a prefill chunk already appended.
 
         ``q_all``: ``[b, num_heads, hd]`` (or flat); the layer holds ``s0 + b``
         rows; row ``i`` sees rows ``[s0+i+1-window, s0+i+1)``. Importance gets
-        the masked column sums. Summation order differs from the per-row path
+        the masked column sums (``importance=False``: left as it is, and the
+        sums are not computed). Summation order differs from the per-row path
         (tolerance class). On a q8 layer the key/value range the chunk reads
         is dequantized once per call (the field and scales applied) and the
         same kernel runs on it. Under a float16 window (q8, q8k, q8v, q4), the
@@ -609,10 +610,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             # A window past every row reads them all: clamped (as attend_layer).
             window = min(V.positive_int("window", window), n)
         scale = self.default_scale if scale is None else V.scale(scale)
+        imp = self._st.imp if V.flag("importance", importance) else None
         native_q8 = self.mode.quantized and not self._st.window and self.backend.native_q8_chunk
         if self.mode is KvMode.F32 or native_q8:
             out = self.backend.attend_chunk(q, self._st.view(), s0=s0, b=b, hpk=heads_per_kv, scale=scale,
-                                            window=window, imp=self._st.imp)
+                                            window=window, imp=imp)
             self._o1_record(q)
             return out
         # q8, q4, f16, bf16: widen only the key range the chunk reads, once per call; the
@@ -630,7 +632,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             v[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
         view = LayerStorage.of_rows(k, v).view()
         out = self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
-                                        imp=self._st.imp[lo:])
+                                        imp=None if imp is None else imp[lo:])
         self._o1_record(q)
         return out
 

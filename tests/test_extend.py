@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvreg import KvMode, LayerKvCache, ShapeError
+from kvreg.testing import startable_backends
 
 
 @pytest.mark.parametrize("mode", list(KvMode))
@@ -109,3 +110,24 @@ def test_torch_tensors_are_taken_without_a_copy_where_they_can_be():
     c = LayerKvCache(3, 8, "bf16", "reference")
     c.extend(h, h, layout="bhnd")  # widened once (numpy has no bfloat16); bf16 storage holds it exactly
     assert np.array_equal(c.head_keys(0), h[0, 0].float().numpy())
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+@pytest.mark.parametrize("backend", startable_backends(("reference", "numba")))
+def test_attend_chunk_without_importance_answers_the_same_and_leaves_importance_alone(mode, backend):
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((40, 2, 16), dtype=np.float32)
+    v = rng.standard_normal((40, 2, 16), dtype=np.float32)
+    q = rng.standard_normal((24, 4, 16), dtype=np.float32)
+    with_imp, without = (LayerKvCache(2, 16, mode, backend) for _ in range(2))
+    for lay in (with_imp, without):
+        lay.extend(k[:16], v[:16])
+        lay.attend_chunk(q[:16], b=16, s0=0, heads_per_kv=2)   # both hold some importance
+        lay.extend(k[16:], v[16:])
+    before = without.imp.copy()
+    a = with_imp.attend_chunk(q, b=24, s0=16, heads_per_kv=2, window=20)
+    b = without.attend_chunk(q, b=24, s0=16, heads_per_kv=2, window=20, importance=False)
+    assert a.tobytes() == b.tobytes()
+    assert without.imp.tobytes() == before.tobytes() and not np.array_equal(with_imp.imp, before)
+    with pytest.raises(ShapeError, match="importance must be True or False"):
+        without.attend_chunk(q, b=24, s0=16, heads_per_kv=2, importance="no")

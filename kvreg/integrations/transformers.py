@@ -524,7 +524,10 @@ class KvregCache(Cache):
                                      importance=isinstance(self.policy, Born) and not sealed)[None]
         else:
             layer.extend(k, v, layout="hnd")
-            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window)
+            # Importance is read by Born eviction and the tiered seal only: a
+            # plain cache skips its column sums (2 % of a 4k prefill).
+            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window,
+                                     importance=isinstance(self.policy, Born) or self.o1 is not None)
         self._bound(layer, window)
         return out
 
