@@ -26,10 +26,16 @@ TASK_CHUNK = 4
 
 #: Most query rows per tile of the prefill chunk kernel (per head; the
 #: group's heads are stacked, so a tile is ``hpk * rows`` GEMM rows against
-#: the keys any row of the tile can see). Fat tiles keep BLAS efficient:
-#: b=512 after 8k rows, GQA 4, measured 0.29 / 0.40 / 0.47 / 0.51 of matmul
-#: FLOP/s at 64 / 128 / 256 / 512 rows.
-CHUNK_Q_TILE = 512
+#: the keys any row of the tile can see). Thin tiles waste less of the
+#: causal triangle and keep a tile's scores in cache. Measured on one core
+#: (Zen 5, OpenBLAS on one thread), ms at 64 / 128 / 256 / 512 rows: a 4k
+#: chunk from row 0 at 9/3 heads, hd 64: 219-244 / 237-256 / 273-278 /
+#: 297 (SDPA 245-280); 4/1 heads, hd 256: 373 / 363 / 379 / 401 (SDPA 446),
+#: with a 512 window 95 / 101 / 121 / 165; a 512-row chunk after 8k rows:
+#: 188 / 175 / - / 183 (9/3, hd 64), 865 / 859 / - / 893 (32/8, hd 128).
+#: (An older measurement on another machine, b=512 after 8k rows, favoured
+#: 512.) The bits depend on the tile, not on any thread count.
+CHUNK_Q_TILE = 64
 
 #: Longest reduction handed to one BLAS call of the prefill chunk (hd for
 #: the scores, keys for the values): longer ones are sliced and the slices'

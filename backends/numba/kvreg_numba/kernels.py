@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 from kvreg.threads import pick
 
 from . import config
+from .blas import one_blas_thread
 from .quant import dequantize_rows, freeze_field, gather_rows, quantize_rows  # noqa: F401  (re-exported)
 
 _FM = set(config.FASTMATH)
@@ -1744,8 +1745,9 @@ def _gemm_fixed(a, b):
     OpenBLAS sums a long reduction in a thread-count dependent order (its
     single-threaded small-matrix path and its threaded path split it
     differently): at ``a [1200, 1000] @ b [1000, 128]`` one and two threads
-    differed in the last bits. Slices no longer than its K block give the
-    same bits on any thread count (tests/test_numba_determinism.py)."""
+    differed in the last bits. The slices were once enough for the same
+    bits on any thread count; on a Zen 5 short reductions differ too, so
+    :func:`attend_chunk` also holds BLAS to one thread (:mod:`.blas`)."""
     kb = int(config.GEMM_K_BLOCK)
     n = a.shape[1]
     if n <= kb:
@@ -1779,6 +1781,13 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
     out = np.empty((b, nh, hd), np.float32)
     scale = np.float32(scale)
     ni = 0 if imp is None else min(imp.shape[0], n)
+    with one_blas_thread():   # the bits must not follow the host's BLAS threads (kvreg_numba.blas)
+        _chunk_groups(q, k, v, out, imp, ni, s0, b, hpk, hd, nkv, w, n, bt_max, scale)
+    return out
+
+
+def _chunk_groups(q, k, v, out, imp, ni, s0, b, hpk, hd, nkv, w, n, bt_max, scale):
+    """:func:`attend_chunk`'s tiles, group by group, into ``out``."""
     for g in range(nkv):
         qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
         # One read of every value row the chunk sees (the first tile's keys
@@ -1802,4 +1811,3 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
             out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
             if ni > klo:
                 column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])
-    return out

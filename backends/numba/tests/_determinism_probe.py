@@ -62,6 +62,9 @@ def halves(k, v) -> dict:
 def run(which: str) -> dict:
     k, v, q, lens, q8, qc, sinks, hpk = inputs()
     n = k.shape[1]
+    r = np.random.default_rng(11)
+    smol = (r.standard_normal((4096, 9, 64), dtype=np.float32), r.standard_normal((3, 4096, 64), dtype=np.float32),
+            r.standard_normal((3, 4096, 64), dtype=np.float32))
     b8 = np.maximum(lens - 8, 0)
     b8[3] = lens[3] - 2  # a window cut short
     q8w = dict(q8, thk=np.stack([k[g, b8[g]:b8[g] + 8] for g in range(4)]).astype(np.float16),
@@ -95,7 +98,11 @@ def run(which: str) -> dict:
         imp = np.zeros(s0 + b, np.float32)
         o1 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, imp=imp)
         o2 = K.attend_chunk(qc, k[:, :s0 + b], v[:, :s0 + b], s0=s0, b=b, hpk=hpk, scale=0.088, window=256)
-        res[f"chunk threads={threads}"] = digest(o1, imp, o2)
+        # SmolLM2's geometry (9/3 heads, hd 64): a 4k chunk whose score tiles
+        # ([1536, 64] @ [64, keys]) OpenBLAS answered differently on 1 and 2
+        # threads on a Zen 5, before the chunk held BLAS to one thread
+        o3 = K.attend_chunk(*smol, s0=0, b=smol[0].shape[0], hpk=3, scale=0.125)
+        res[f"chunk threads={threads}"] = digest(o1, imp, o2, o3)
     # call history: the same call again after others of other shapes
     kvreg.set_num_threads(2)
     K.attend_layer(q[:8], lens[:2] // 2, k=k[:2], v=v[:2], scale=0.5)

@@ -2,6 +2,8 @@
 (kvreg.threads): small work on one thread, the caller's numba setting
 restored after every call, the same bits on any count."""
 
+from contextlib import contextmanager
+
 import numba
 import numpy as np
 import pytest
@@ -102,3 +104,41 @@ def test_under_the_default_budget_the_count_measured_faster_runs(monkeypatch):
     with K.thread_budget(1 << 30):
         assert numba.get_num_threads() == 2
     assert ch.last[2] > now                # the call was timed for the chooser
+
+
+def _blas_threads():
+    from threadpoolctl import threadpool_info
+
+    return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+
+def test_a_chunk_holds_blas_to_one_thread_and_gives_the_hosts_count_back(monkeypatch):
+    from threadpoolctl import threadpool_limits
+
+    from kvreg_numba import blas
+
+    with threadpool_limits(limits=2, user_api="blas"):   # a host that gave BLAS two threads
+        before = _blas_threads()
+        if not before or 2 not in before:
+            pytest.skip(f"no BLAS library threadpoolctl can set to 2 threads ({before})")
+        _chunk_under_spy(monkeypatch, blas.one_blas_thread)
+        assert _blas_threads() == before
+
+
+def _chunk_under_spy(monkeypatch, real):
+    seen = []
+
+    @contextmanager
+    def spy():
+        with real():
+            seen.append(_blas_threads())
+            with real():   # nested holders share the limit
+                seen.append(_blas_threads())
+            seen.append(_blas_threads())   # the outer holder still holds it
+            yield
+
+    monkeypatch.setattr(K, "one_blas_thread", spy)
+    rng = np.random.default_rng(2)
+    k = rng.standard_normal((1, 40, 16), dtype=np.float32)
+    K.attend_chunk(rng.standard_normal((40, 2, 16), dtype=np.float32), k, k, s0=0, b=40, hpk=2, scale=0.25)
+    assert seen and all(n == 1 for counts in seen for n in counts)
