@@ -284,12 +284,8 @@ _F32_MAX = float(np.finfo(np.float32).max)
 def scale(x) -> np.float32:
     """A positive score scale, finite in float32: the kernels multiply in
     float32, so 1e39 would become inf (and every score NaN), 1e-50 zero."""
-    if type(x) is float and 0.0 < x <= _F32_MAX:   # every decode call: no ABC checks
-        s = np.float32(x)
-        if s > 0:
-            return s
     want = "a positive number, finite and non-zero in float32"
-    f = _real("scale", x, want)
+    f = x if type(x) is float else _real("scale", x, want)   # a float (every decode call): no ABC checks
     # compared in Python first (no float32 overflow, no errstate: this runs per decode call)
     s = np.float32(f) if 0.0 < f <= _F32_MAX else np.float32(0.0)
     if not s > 0:
@@ -298,10 +294,8 @@ def scale(x) -> np.float32:
 
 
 def softcap(x) -> float:
-    if type(x) is float and 0.0 <= x <= _F32_MAX:
-        return x
     want = "a number >= 0 finite in float32 (0 = off)"
-    f = _real("softcap", x, want)
+    f = x if type(x) is float else _real("softcap", x, want)
     if not 0.0 <= f <= _F32_MAX:
         raise ShapeError(f"softcap must be {want}, got {x!r}")
     return f

@@ -1782,32 +1782,27 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
     scale = np.float32(scale)
     ni = 0 if imp is None else min(imp.shape[0], n)
     with one_blas_thread():   # the bits must not follow the host's BLAS threads (kvreg_numba.blas)
-        _chunk_groups(q, k, v, out, imp, ni, s0, b, hpk, hd, nkv, w, n, bt_max, scale)
+        for g in range(nkv):
+            qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
+            # One read of every value row the chunk sees (the first tile's keys
+            # start lowest); only a group holding a non-finite one checks per tile.
+            finite = _all_finite(v[g, max(0, s0 + 1 - w) if w else 0:n])
+            for i0 in range(0, b, bt_max):
+                bt = min(bt_max, b - i0)
+                klo = max(0, s0 + i0 + 1 - w) if w else 0
+                khi = s0 + i0 + bt
+                panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
+                S = _gemm_fixed(panel, k[g, klo:khi].T)
+                with thread_budget(S.nbytes, "chunk"):
+                    chunk_softmax(S, scale, s0, i0, bt, klo, w)
+                vt = v[g, klo:khi]
+                if finite or _all_finite(vt):
+                    o = _gemm_fixed(S, vt)
+                else:
+                    # 0 * NaN: a NaN/inf value row would reach through the GEMM
+                    # the tile rows that cannot see it; sum visible keys only.
+                    o = _visible_values(S, vt, s0, i0, bt, klo, w)
+                out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
+                if ni > klo:
+                    column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])
     return out
-
-
-def _chunk_groups(q, k, v, out, imp, ni, s0, b, hpk, hd, nkv, w, n, bt_max, scale):
-    """:func:`attend_chunk`'s tiles, group by group, into ``out``."""
-    for g in range(nkv):
-        qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
-        # One read of every value row the chunk sees (the first tile's keys
-        # start lowest); only a group holding a non-finite one checks per tile.
-        finite = _all_finite(v[g, max(0, s0 + 1 - w) if w else 0:n])
-        for i0 in range(0, b, bt_max):
-            bt = min(bt_max, b - i0)
-            klo = max(0, s0 + i0 + 1 - w) if w else 0
-            khi = s0 + i0 + bt
-            panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
-            S = _gemm_fixed(panel, k[g, klo:khi].T)
-            with thread_budget(S.nbytes, "chunk"):
-                chunk_softmax(S, scale, s0, i0, bt, klo, w)
-            vt = v[g, klo:khi]
-            if finite or _all_finite(vt):
-                o = _gemm_fixed(S, vt)
-            else:
-                # 0 * NaN: a NaN/inf value row would reach through the GEMM
-                # the tile rows that cannot see it; sum visible keys only.
-                o = _visible_values(S, vt, s0, i0, bt, klo, w)
-            out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
-            if ni > klo:
-                column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])
