@@ -65,3 +65,17 @@ def test_programs_are_cached_per_context_and_clear_empties_them(selector, fresh)
     programs.clear()
     assert programs.attend_program(be._dev) is not prg
     np.testing.assert_array_equal(answer(be), want)
+
+
+def test_a_backend_opened_before_reset_device_still_launches_beside_a_new_one(selector, fresh):
+    """The scratch buffers are the context's: the backend that predates the
+    reset (a session fixture in the OpenCL tests holds one) must not receive
+    the new context's buffers (INVALID_CONTEXT when they were per device)."""
+    old = kvreg.get_backend("opencl", selector)
+    want = answer(old)
+    device.reset_device()
+    new = kvreg.get_backend("opencl", selector)
+    assert new._dev.context is not old._dev.context
+    np.testing.assert_array_equal(answer(new), want)
+    np.testing.assert_array_equal(answer(old), want)
+    np.testing.assert_array_equal(answer(new), want)

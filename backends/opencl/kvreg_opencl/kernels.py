@@ -65,10 +65,14 @@ _launch_lock = threading.RLock()
 
 
 def scratch(dev: DeviceState) -> _Scratch:
-    with _launch_lock:   # one scratch set per device, whichever thread asks first
-        s = _scratch.get(dev.device.int_ptr)
-        if s is None:
-            s = _scratch[dev.device.int_ptr] = _Scratch(dev)
+    """The scratch buffers of ``dev``'s context. Keyed on the context (held by
+    the scratch's DeviceState, so its handle is not reused while cached): a
+    DeviceState opened before a ``reset_device`` keeps working beside the new
+    one instead of receiving buffers of another context."""
+    with _launch_lock:   # one scratch set per context, whichever thread asks first
+        s = _scratch.get(dev.context.int_ptr)
+        if s is None or s.dev.context is not dev.context:
+            s = _scratch[dev.context.int_ptr] = _Scratch(dev)
         return s
 
 

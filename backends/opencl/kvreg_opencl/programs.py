@@ -71,8 +71,8 @@ def kernel(prg, name: str):
 
 def clear() -> None:
     """Forget every built program and kernel, and the launch drivers' scratch
-    buffers (kept per device in :mod:`kvreg_opencl.kernels`, so only valid
-    while one context per device is alive: emptied with the rest)."""
+    buffers (kept per context in :mod:`kvreg_opencl.kernels`: emptied with
+    the rest)."""
     with _lock:
         _cache.clear()
         _kernels.clear()
