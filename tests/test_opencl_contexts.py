@@ -60,10 +60,10 @@ def test_backends_made_after_reset_device_launch(selector, fresh):
 def test_programs_are_cached_per_context_and_clear_empties_them(selector, fresh):
     be = kvreg.get_backend("opencl", selector)
     want = answer(be)
-    prg = programs.attend_program(be._dev)
-    assert programs.attend_program(be._dev) is prg
+    prg = programs.attend_program(be._dev, 4)
+    assert programs.attend_program(be._dev, 4) is prg
     programs.clear()
-    assert programs.attend_program(be._dev) is not prg
+    assert programs.attend_program(be._dev, 4) is not prg
     np.testing.assert_array_equal(answer(be), want)
 
 

@@ -281,7 +281,7 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     smax = int(spans.max(initial=0))
     if smax == 0:
         return out
-    prg = programs.attend_program(dev)
+    prg = programs.attend_program(dev, hpk)
     sc = scratch(dev)
     queue = dev.queue
     cl = dev.cl

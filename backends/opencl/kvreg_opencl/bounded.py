@@ -196,11 +196,11 @@ def _bounded_attend(mirror, q32, seen, group_windows, rope, scale):
     firsts[1] = sink + start
     nlim[1] = sink + start + n
     br = int(config.BLOCK_ROWS)
-    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
+    hc = programs.heads_per_wg(hpk)
     smax = int(max(sink, int(n.max())))
     nblk = max(1, -(-smax // br))
     sc = scratch(dev)
-    prg = programs.attend_program(dev)
+    prg = programs.attend_program(dev, hpk)
     q_buf = sc.put("bq", q2)
     nl_buf = sc.put("bnlim", nlim)
     fi_buf = sc.put("bfirsts", firsts)

@@ -16,7 +16,7 @@ from __future__ import annotations
 #: kind (below). PoCL runs a work-group as a loop on one core, so a CPU wants
 #: few work-items; a GPU wants at least a warp/wavefront.
 LOCAL_SIZE: int | None = None
-LOCAL_SIZE_CPU = 16
+LOCAL_SIZE_CPU = 1
 LOCAL_SIZE_GPU = 64
 
 #: Rows of one KV head per work-group ("flash-decoding" block). The scores of
@@ -34,6 +34,13 @@ CHUNK_TOKENS = 64
 
 #: Device row capacity of a fresh mirror; grows by doubling on the device.
 MIRROR_MIN_ROWS = 256
+
+#: Whether the attention program spells its vector loads, stores and
+#: conversions as dereferences and clang builtins (cl/common.h,
+#: KVREG_INLINE_VEC) instead of vloadn / convert_floatn: None = on CPU
+#: devices (PoCL, where the builtins can be calls LLVM will not inline), the
+#: OpenCL builtins elsewhere. Same bits either way.
+INLINE_VEC: bool | None = None
 
 #: Build options of the attention program. The attention kernels are
 #: tolerance class, but no fast-math here either: exp/tanh of large scores

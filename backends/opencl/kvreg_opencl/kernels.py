@@ -109,7 +109,9 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
     kern = programs.kernel(prg, partial_variant(quant, kv_dtype))
     L = _local_size(kern, dev)
     lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
-    local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
+    # vloc: the lanes' partial sums, or (one work-item, hd % 8 == 0) the accumulators
+    vloc = lanes * hc * hd if lanes > 1 or (L == 1 and hd % 8 == 0) else 1
+    local = 4 * (hc * (hd + br + 1) + vloc)
     if local > dev.info.local_mem_bytes:
         raise BackendError(
             f"kvreg-opencl: the attend work-group needs {local} bytes of local memory, "
@@ -132,7 +134,7 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
         np.float32(scale), np.float32(softcap),
         pm, ps, pacc, scores, np.int32(sstride), np.int32(want_scores),
         cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
-        cl.LocalMemory(4 * lanes * hc * hd if lanes > 1 else 4),
+        cl.LocalMemory(4 * vloc),
     )
 
 
@@ -149,7 +151,7 @@ def partial_states(sc, T: int, nq: int, hd: int, hpk: int, smax: int):
     scratch buffers of its per-block partial states (``pm``, ``ps``, ``pacc``
     for ``T`` tokens of ``nq`` heads): shared by the layer and batch calls."""
     br = int(config.BLOCK_ROWS)
-    hc = max(1, min(int(config.HEADS_PER_WG), hpk))
+    hc = programs.heads_per_wg(hpk)
     nblk = max(1, -(-smax // br))
     pm = sc.get("pm", T * nq * nblk * 4)
     ps = sc.get("ps", T * nq * nblk * 4)
@@ -189,7 +191,7 @@ def _attend_rows(
     firsts = np.ascontiguousarray(firsts, dtype=np.int32).reshape(T, ng)
     spans = np.where(nlim > 0, nlim - firsts, 0)
     smax = int(spans.max(initial=0))
-    prg = programs.attend_program(dev)
+    prg = programs.attend_program(dev, hpk)
     sc = scratch(dev)
     queue = dev.queue
     br, hc, nblk, pm, ps, pacc = partial_states(sc, T, nq, hd, hpk, smax)

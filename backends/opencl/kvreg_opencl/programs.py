@@ -91,8 +91,22 @@ def _new_kernel(prg, name):
     return cl.Kernel(prg, name)
 
 
-def attend_program(dev: DeviceState):
-    opts = (f"-DKVREG_HC={int(config.HEADS_PER_WG)}", *config.ATTEND_OPTIONS)
+def heads_per_wg(hpk: int) -> int:
+    """Q heads of one KV group that share an attend work-group."""
+    return max(1, min(int(config.HEADS_PER_WG), int(hpk)))
+
+
+def attend_program(dev: DeviceState, hpk: int):
+    """The attention program for groups of ``hpk`` Q heads: the heads per
+    work-group are a build-time constant (``-DKVREG_HC``, and
+    ``KVREG_HC_FULL`` when every chunk is full), so the per-head loops unroll
+    without a head-count test."""
+    hc = heads_per_wg(hpk)
+    inline = config.INLINE_VEC
+    if inline is None:
+        inline = dev.info.kind == "CPU"
+    opts = (f"-DKVREG_HC={hc}", *(("-DKVREG_HC_FULL",) if hpk % hc == 0 else ()),
+            *(("-DKVREG_INLINE_VEC",) if inline else ()), *config.ATTEND_OPTIONS)
     return build(dev, "attend.cl", opts)
 
 

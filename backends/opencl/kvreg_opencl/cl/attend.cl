@@ -87,19 +87,19 @@
  * 8) of an unquantized K/V buffer, as float8. */
 inline float8 kv_load8(__global const float *base, const size_t off, const int d8, const int KH)
 {
-    if (KH == KVREG_F16) return vload_half8((off >> 3) + d8, (__global const half *)base);
+    if (KH == KVREG_F16) return KVREG_LDH8G((off >> 3) + d8, base);
     if (KH == KVREG_BF16)
-        return as_float8(convert_uint8(vload8((off >> 3) + d8, (__global const ushort *)base)) << 16);
-    return vload8(d8, base + off);
+        return as_float8(KVREG_U2U8(KVREG_LDU8G((off >> 3) + d8, (__global const ushort *)base)) << 16);
+    return KVREG_LD8G(d8, base + off);
 }
 
 /* Channels [4*d4, 4*d4 + 4) (off a multiple of 4). */
 inline float4 kv_load4(__global const float *base, const size_t off, const int d4, const int KH)
 {
-    if (KH == KVREG_F16) return vload_half4((off >> 2) + d4, (__global const half *)base);
+    if (KH == KVREG_F16) return KVREG_LDH4G((off >> 2) + d4, base);
     if (KH == KVREG_BF16)
-        return as_float4(convert_uint4(vload4((off >> 2) + d4, (__global const ushort *)base)) << 16);
-    return vload4(d4, base + off);
+        return as_float4(KVREG_U2U4(KVREG_LDU4G((off >> 2) + d4, (__global const ushort *)base)) << 16);
+    return KVREG_LD4G(d4, base + off);
 }
 
 /* Element `i` of an unquantized K/V buffer. */
@@ -119,7 +119,7 @@ inline float score_kv(__local const float *qh, __global const float *base, const
     if ((hd & 3) == 0) {
         float4 a = (float4)(0.0f);
         for (int d4 = 0; d4 < (hd >> 2); ++d4)
-            a += vload4(d4, qh) * kv_load4(base, off, d4, KH);
+            a += KVREG_LD4L(d4, qh) * kv_load4(base, off, d4, KH);
         dot = kvreg_hsum4(a);
     } else {
         dot = 0.0f;
@@ -134,7 +134,7 @@ inline float score_f32(__local const float *qh, __global const float *kr, const 
     if ((hd & 3) == 0) {
         float4 a = (float4)(0.0f);
         for (int d4 = 0; d4 < (hd >> 2); ++d4)
-            a += vload4(d4, qh) * vload4(d4, kr);
+            a += KVREG_LD4L(d4, qh) * KVREG_LD4G(d4, kr);
         dot = kvreg_hsum4(a);
     } else {
         dot = 0.0f;
@@ -153,11 +153,11 @@ inline float score_q8(__local const float *qh, __global const char *kr,
         if (g0 + KVREG_K_GROUP <= hd) {
             /* char16 loads, float8 arithmetic (8 lanes = one AVX register;
              * float16 values would change the calling ABI on CPUs) */
-            const char16 c0 = vload16(0, kr + g0), c1 = vload16(0, kr + g0 + 16);
-            float8 a = vload8(0, qh + g0) * convert_float8(c0.lo);
-            a += vload8(1, qh + g0) * convert_float8(c0.hi);
-            a += vload8(2, qh + g0) * convert_float8(c1.lo);
-            a += vload8(3, qh + g0) * convert_float8(c1.hi);
+            const char16 c0 = KVREG_LDC16G(0, kr + g0), c1 = KVREG_LDC16G(0, kr + g0 + 16);
+            float8 a = KVREG_LD8L(0, qh + g0) * KVREG_C2F8(c0.lo);
+            a += KVREG_LD8L(1, qh + g0) * KVREG_C2F8(c0.hi);
+            a += KVREG_LD8L(2, qh + g0) * KVREG_C2F8(c1.lo);
+            a += KVREG_LD8L(3, qh + g0) * KVREG_C2F8(c1.hi);
             gd = kvreg_hsum8(a);
         } else {
             gd = 0.0f;
@@ -176,7 +176,11 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     const int nchunk = (hpk + hc - 1) / hc;
     const int gl = get_global_id(1) / nchunk;       /* group within launch */
     const int hbeg = (get_global_id(1) % nchunk) * hc;
+#ifdef KVREG_HC_FULL
+    const int hcnt = KVREG_HC;            /* hpk % hc == 0: every chunk full */
+#else
     const int hcnt = min(hc, hpk - hbeg);
+#endif
     const int t = get_global_id(2);
     /* the storage head: tg = 0 when every token reads one layer's rows (a
      * decode, a prefill chunk); tg = nkv when token t is a sequence of a
@@ -220,27 +224,27 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
              * the same operations as score_q8 */
             __global const char *kr = kq + p * hd;
             float dot[KVREG_HC];
-            for (int h = 0; h < KVREG_HC; ++h) dot[h] = 0.0f;
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) dot[h] = 0.0f;
             for (int j = 0; j < ngk; ++j) {
-                const char16 c0 = vload16(0, kr + j * KVREG_K_GROUP);
-                const char16 c1 = vload16(0, kr + j * KVREG_K_GROUP + 16);
-                const float8 k0 = convert_float8(c0.lo), k1 = convert_float8(c0.hi);
-                const float8 k2 = convert_float8(c1.lo), k3 = convert_float8(c1.hi);
+                const char16 c0 = KVREG_LDC16G(0, kr + j * KVREG_K_GROUP);
+                const char16 c1 = KVREG_LDC16G(0, kr + j * KVREG_K_GROUP + 16);
+                const float8 k0 = KVREG_C2F8(c0.lo), k1 = KVREG_C2F8(c0.hi);
+                const float8 k2 = KVREG_C2F8(c1.lo), k3 = KVREG_C2F8(c1.hi);
                 const float ksj = ks[p * ngk + j];
-                for (int h = 0; h < KVREG_HC; ++h) {
+                _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) {
                     if (h < hcnt) {
                         __local const float *qg = qloc + h * hd + j * KVREG_K_GROUP;
-                        float8 a = vload8(0, qg) * k0;
-                        a += vload8(1, qg) * k1;
-                        a += vload8(2, qg) * k2;
-                        a += vload8(3, qg) * k3;
+                        float8 a = KVREG_LD8L(0, qg) * k0;
+                        a += KVREG_LD8L(1, qg) * k1;
+                        a += KVREG_LD8L(2, qg) * k2;
+                        a += KVREG_LD8L(3, qg) * k3;
                         dot[h] += kvreg_hsum8(a) * ksj;
                     }
                 }
             }
-            for (int h = 0; h < KVREG_HC; ++h) sc[h] = dot[h];
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) sc[h] = dot[h];
         } else if (k8) {
-            for (int h = 0; h < KVREG_HC; ++h)
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_q8(qloc + h * hd, kq + p * hd, ks + p * ngk, hd);
         } else if ((hd & 7) == 0) {
             /* f32 / 2-byte K row, a q8 side's exact float32 row or its
@@ -249,21 +253,21 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
             const size_t koff = kx ? 0 : (kw ? (wrow0 + r) * hd : p * hd);
             const int kh = kx ? KVREG_F32 : (kw ? KVREG_F16 : KH);
             float8 a[KVREG_HC];
-            for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) a[h] = (float8)(0.0f);
             for (int d8 = 0; d8 < (hd >> 3); ++d8) {
                 const float8 kk = kv_load8(kb, koff, d8, kh);
-                for (int h = 0; h < KVREG_HC; ++h)
-                    if (h < hcnt) a[h] += vload8(d8, qloc + h * hd) * kk;
+                _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                    if (h < hcnt) a[h] += KVREG_LD8L(d8, qloc + h * hd) * kk;
             }
-            for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) sc[h] = kvreg_hsum8(a[h]);
         } else if (kw) {
-            for (int h = 0; h < KVREG_HC; ++h)
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_kv(qloc + h * hd, thk, (wrow0 + r) * hd, hd, KVREG_F16);
         } else if (KH != KVREG_F32) {
-            for (int h = 0; h < KVREG_HC; ++h)
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_kv(qloc + h * hd, k, p * hd, hd, KH);
         } else {
-            for (int h = 0; h < KVREG_HC; ++h)
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) sc[h] = score_f32(qloc + h * hd, kr32, hd);
         }
         for (int h = 0; h < hcnt; ++h) {
@@ -283,11 +287,18 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    for (int i = l; i < hcnt * rows; i += L) {
-        const int h = i / rows, r = i - h * rows;
+    /* e = exp(s - m), eight scores a call when br % 8 == 0 (the lanes past
+     * `rows` are computed and never read: a row's e does not depend on the
+     * block's row count).  An all -inf block contributes nothing (not NaN). */
+    for (int h = 0; h < hcnt; ++h) {
         const float m = mloc[h];
-        /* an all -inf block contributes nothing (not NaN) */
-        sloc[h * br + r] = (m == -INFINITY) ? 0.0f : exp(sloc[h * br + r] - m);
+        __local float *sh = sloc + h * br;
+        if ((br & 7) == 0) {
+            for (int r8 = l; 8 * r8 < rows; r8 += L)
+                KVREG_ST8L((m == -INFINITY) ? (float8)(0.0f) : exp(KVREG_LD8L(r8, sh) - m), r8, sh);
+        } else {
+            for (int r = l; r < rows; r += L) sh[r] = (m == -INFINITY) ? 0.0f : exp(sh[r] - m);
+        }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -299,55 +310,81 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
         ps[o] = sum;
     }
 
-    /* value pass: work-item (lane, slice) takes an 8-channel slice (1 when
-     * hd % 8) of every head of the chunk over rows lane, lane + R, ...; the
-     * V row slice is read once for all heads.  R = L / slices row lanes
-     * (1 on a CPU, where L is small) are then summed in lane order through
-     * local memory.  R depends on L and hd only, never on the rows or the
-     * heads, so the invariants hold. */
+    /* value pass.  Row r of the block: where its V comes from (an exact
+     * float32 row, a float16 window row, an int8 row with its scale, or the
+     * unquantized block), and its 8-channel slice dv widened to float8. */
     const int vec = ((hd & 7) == 0) ? 8 : 1;
     const int nv = hd / vec;
     const int R = max(1, L / nv);
+#define V_ROW(r)                                                              \
+    const size_t p = (size_t)g * cap + row0 + (r);                            \
+    const int vx = VQ && (r) < xr;   /* exact: a float row, scale 1 */        \
+    const int vw = VQ && (r) >= wr;  /* float16 window: a weight-1 f16 row */ \
+    const int v8 = VQ && !vx && !vw;                                          \
+    __global const float *vr32 = vx ? xv + (xrow0 + (r)) * hd : (KH == KVREG_F32 ? v + p * hd : v); \
+    const float ws = v8 ? vs[p] : 1.0f
+#define V_SLICE8(r, dv)                                                        \
+    (v8 ? KVREG_C2F8(KVREG_LDC8G(dv, vq + p * hd))                            \
+        : vw ? kv_load8(thv, (wrow0 + (r)) * hd, dv, KVREG_F16)               \
+             : KH != KVREG_F32 ? kv_load8(v, p * hd, dv, KH) : KVREG_LD8G(dv, vr32))
+    if (L == 1 && vec == 8) {
+        /* one work-item a work-group (a CPU): rows outer, so each V row is
+         * read once for every head and slice, the accumulators in local
+         * memory (vloc, hc * hd floats).  Per (head, channel) the additions
+         * of the R == 1 loop below, in the same row order: the same bits. */
+        for (int i = 0; i < hcnt * hd; ++i) vloc[i] = 0.0f;
+        for (int r = 0; r < rows; ++r) {
+            V_ROW(r);
+            float w[KVREG_HC];
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                w[h] = (h < hcnt) ? (v8 ? sloc[h * br + r] * ws : sloc[h * br + r]) : 0.0f;
+            for (int dv = 0; dv < nv; ++dv) {
+                const float8 vv = V_SLICE8(r, dv);
+                _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                    if (h < hcnt) {
+                        __local float *o = vloc + h * hd;
+                        KVREG_ST8L(KVREG_LD8L(dv, o) + w[h] * vv, dv, o);
+                    }
+            }
+        }
+        for (int h = 0; h < hcnt; ++h) {
+            __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
+            for (int dv = 0; dv < nv; ++dv) KVREG_ST8G(KVREG_LD8L(dv, vloc + h * hd), dv, o);
+        }
+        return;
+    }
+    /* work-item (lane, slice) takes an 8-channel slice (1 when hd % 8) of
+     * every head of the chunk over rows lane, lane + R, ...; the V row slice
+     * is read once for all heads.  R = L / slices row lanes are then summed
+     * in lane order through local memory.  R depends on L and hd only, never
+     * on the rows or the heads, so the invariants hold. */
     for (int item = l; item < nv * R; item += L) {
         const int dv = item % nv, lane = item / nv;
         float8 acc[KVREG_HC];
-        for (int h = 0; h < KVREG_HC; ++h) acc[h] = (float8)(0.0f);
+        _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) acc[h] = (float8)(0.0f);
         for (int r = lane; r < rows; r += R) {
-            const size_t p = (size_t)g * cap + row0 + r;
-            /* an exact V row is a float row with scale 1 */
-            const int vx = VQ && r < xr;
-            /* a float16 window V row: a weight-1 row read as f16 */
-            const int vw = VQ && r >= wr;
-            const int v8 = VQ && !vx && !vw;
-            __global const float *vr32 = vx ? xv + (xrow0 + r) * hd : (KH == KVREG_F32 ? v + p * hd : v);
-            float8 vv;
-            float ws = 1.0f;
-            if (vec == 8) {
-                if (v8)                   vv = convert_float8(vload8(dv, vq + p * hd));
-                else if (vw)              vv = kv_load8(thv, (wrow0 + r) * hd, dv, KVREG_F16);
-                else if (KH != KVREG_F32) vv = kv_load8(v, p * hd, dv, KH);
-                else                      vv = vload8(dv, vr32);
-            } else {
-                vv = (float8)(v8 ? (float)vq[p * hd + dv]
-                                 : (vw ? kv_load1(thv, (wrow0 + r) * hd + dv, KVREG_F16)
-                                       : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv])));
-            }
-            if (v8) ws = vs[p];
-            for (int h = 0; h < KVREG_HC; ++h)
+            V_ROW(r);
+            const float8 vv = (vec == 8) ? V_SLICE8(r, dv)
+                : (float8)(v8 ? (float)vq[p * hd + dv]
+                              : (vw ? kv_load1(thv, (wrow0 + r) * hd + dv, KVREG_F16)
+                                    : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv])));
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                 if (h < hcnt) acc[h] += (v8 ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
         }
         for (int h = 0; h < hcnt; ++h) {
             if (R == 1) {
                 __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
-                if (vec == 8) vstore8(acc[h], dv, o);
+                if (vec == 8) KVREG_ST8G(acc[h], dv, o);
                 else o[dv] = acc[h].s0;
             } else {
                 __local float *o = vloc + (lane * hc + h) * hd;
-                if (vec == 8) vstore8(acc[h], dv, o);
+                if (vec == 8) KVREG_ST8L(acc[h], dv, o);
                 else o[dv] = acc[h].s0;
             }
         }
     }
+#undef V_ROW
+#undef V_SLICE8
     if (R > 1) {
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int i = l; i < hcnt * hd; i += L) {

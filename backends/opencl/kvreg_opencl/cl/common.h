@@ -17,8 +17,82 @@ inline float kvreg_hsum4(float4 a) { return (a.x + a.y) + (a.z + a.w); }
 
 inline float kvreg_hsum8(float8 a) { return kvreg_hsum4(a.lo + a.hi); }
 
+/* Vector loads, stores and conversions of the attend kernels.
+ *
+ * KVREG_INLINE_VEC (the host defines it for CPU devices, config.INLINE_VEC):
+ * plain dereferences of element-aligned vector types and clang's
+ * __builtin_convertvector instead of vloadn / vstoren / convert_floatn.  On
+ * PoCL those builtins are calls into its kernel library, and the library can
+ * be built for other CPU features than the kernel (seen on an AMD Zen 4:
+ * library for skylake-avx512, kernel for znver3), so LLVM cannot inline them:
+ * every vload8 of a row was a call, its accumulators spilled, and decode read
+ * 2 GB/s where the same loop read 19 GB/s with the dereferences.  Loads are
+ * loads and the widenings are exact, so both spellings give the same bits
+ * (the tests build both and compare).  Everywhere else the OpenCL builtins. */
+#ifdef KVREG_INLINE_VEC
+typedef float kvreg_f8u __attribute__((ext_vector_type(8), aligned(4)));
+typedef float kvreg_f4u __attribute__((ext_vector_type(4), aligned(4)));
+typedef char kvreg_c16u __attribute__((ext_vector_type(16), aligned(1)));
+typedef char kvreg_c8u __attribute__((ext_vector_type(8), aligned(1)));
+typedef ushort kvreg_u8u __attribute__((ext_vector_type(8), aligned(2)));
+typedef ushort kvreg_u4u __attribute__((ext_vector_type(4), aligned(2)));
+#define KVREG_LD8G(i, p) ((float8)(*(__global const kvreg_f8u *)((p) + 8 * (size_t)(i))))
+#define KVREG_LD8L(i, p) ((float8)(*(__local const kvreg_f8u *)((p) + 8 * (size_t)(i))))
+#define KVREG_LD4G(i, p) ((float4)(*(__global const kvreg_f4u *)((p) + 4 * (size_t)(i))))
+#define KVREG_LD4L(i, p) ((float4)(*(__local const kvreg_f4u *)((p) + 4 * (size_t)(i))))
+#define KVREG_LDC16G(i, p) ((char16)(*(__global const kvreg_c16u *)((p) + 16 * (size_t)(i))))
+#define KVREG_LDC8G(i, p) ((char8)(*(__global const kvreg_c8u *)((p) + 8 * (size_t)(i))))
+#define KVREG_LDU8G(i, p) ((ushort8)(*(__global const kvreg_u8u *)((p) + 8 * (size_t)(i))))
+#define KVREG_LDU4G(i, p) ((ushort4)(*(__global const kvreg_u4u *)((p) + 4 * (size_t)(i))))
+#define KVREG_ST8G(x, i, p) (*(__global kvreg_f8u *)((p) + 8 * (size_t)(i)) = (x))
+#define KVREG_ST8L(x, i, p) (*(__local kvreg_f8u *)((p) + 8 * (size_t)(i)) = (x))
+#define KVREG_C2F8(c) __builtin_convertvector((c), float8)
+#define KVREG_U2U8(u) __builtin_convertvector((u), uint8)
+#define KVREG_U2U4(u) __builtin_convertvector((u), uint4)
+/* IEEE binary16 bits -> float32, exact: the half's exponent and mantissa
+ * shifted into a float's and scaled by 2^112 (a power of two: exact, and
+ * subnormal halves land on normal floats); inf and NaN keep an all-ones
+ * exponent (a NaN's payload shifted like vload_half's). */
+inline float8 kvreg_half8(ushort8 h)
+{
+    const uint8 u = KVREG_U2U8(h);
+    const uint8 em = u & 0x7fffu;
+    const float8 f = as_float8(em << 13) * 0x1p112f;
+    const float8 big = as_float8((em << 13) | 0x7f800000u);
+    const int8 special = as_int8(em) >= (int8)(0x7c00);
+    return as_float8(as_uint8(special ? big : f) | ((u & 0x8000u) << 16));
+}
+inline float4 kvreg_half4(ushort4 h)
+{
+    const uint4 u = KVREG_U2U4(h);
+    const uint4 em = u & 0x7fffu;
+    const float4 f = as_float4(em << 13) * 0x1p112f;
+    const float4 big = as_float4((em << 13) | 0x7f800000u);
+    const int4 special = as_int4(em) >= (int4)(0x7c00);
+    return as_float4(as_uint4(special ? big : f) | ((u & 0x8000u) << 16));
+}
+#define KVREG_LDH8G(i, p) kvreg_half8(KVREG_LDU8G(i, (__global const ushort *)(p)))
+#define KVREG_LDH4G(i, p) kvreg_half4(KVREG_LDU4G(i, (__global const ushort *)(p)))
+#else
+#define KVREG_LD8G(i, p) vload8(i, p)
+#define KVREG_LD8L(i, p) vload8(i, p)
+#define KVREG_LD4G(i, p) vload4(i, p)
+#define KVREG_LD4L(i, p) vload4(i, p)
+#define KVREG_LDC16G(i, p) vload16(i, p)
+#define KVREG_LDC8G(i, p) vload8(i, p)
+#define KVREG_LDU8G(i, p) vload8(i, p)
+#define KVREG_LDU4G(i, p) vload4(i, p)
+#define KVREG_ST8G(x, i, p) vstore8(x, i, p)
+#define KVREG_ST8L(x, i, p) vstore8(x, i, p)
+#define KVREG_C2F8(c) convert_float8(c)
+#define KVREG_U2U8(u) convert_uint8(u)
+#define KVREG_U2U4(u) convert_uint4(u)
+#define KVREG_LDH8G(i, p) vload_half8(i, (__global const half *)(p))
+#define KVREG_LDH4G(i, p) vload_half4(i, (__global const half *)(p))
+#endif
+
 /* max that propagates NaN (fmax drops it): a NaN score must poison its head
  * (docs/kernels.md, non-finite values), not vanish from the softmax. */
-inline float kvreg_max_nan(float m, float x) { return (x > m || isnan(x)) ? x : m; }
+inline float kvreg_max_nan(float m, float x) { return (x > m || x != x) ? x : m; }  /* x != x: isnan, no library call */
 
 #endif
