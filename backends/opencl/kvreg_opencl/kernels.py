@@ -54,10 +54,16 @@ class _Scratch:
         return buf
 
     def put(self, name: str, arr: np.ndarray):
-        buf = self.get(name, arr.nbytes)
-        if arr.nbytes:
-            self.dev.cl.enqueue_copy(self.dev.queue, buf, arr, is_blocking=False)
-        return buf
+        """A device buffer holding ``arr`` (a call's small input: query,
+        bounds, sinks): a fresh buffer made with COPY_HOST_PTR, because on
+        PoCL that is a host memcpy (~1 µs) where an enqueued write is a
+        command for its worker thread (~70 µs a command on this machine, a
+        decode call had three)."""
+        if not arr.nbytes:
+            return self.get(name, 0)
+        cl = self.dev.cl
+        return cl.Buffer(self.dev.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                         hostbuf=np.ascontiguousarray(arr))
 
 
 _scratch: dict[int, _Scratch] = {}
@@ -76,12 +82,23 @@ def scratch(dev: DeviceState) -> _Scratch:
         return s
 
 
-def _local_size(kernel, dev: DeviceState) -> int:
-    wg = kernel.get_work_group_info(dev.cl.kernel_work_group_info.WORK_GROUP_SIZE, dev.device)
+def _wanted_local_size(dev: DeviceState) -> int:
     want = config.LOCAL_SIZE
     if want is None:
         want = config.LOCAL_SIZE_GPU if dev.info.kind == "GPU" else config.LOCAL_SIZE_CPU
-    return max(1, min(int(want), int(wg)))
+    return max(1, int(want))
+
+
+def _local_size(kernel, dev: DeviceState) -> int:
+    wg = kernel.get_work_group_info(dev.cl.kernel_work_group_info.WORK_GROUP_SIZE, dev.device)
+    return min(_wanted_local_size(dev), int(wg))
+
+
+def merge_width(dev: DeviceState, hd: int) -> int:
+    """Work-items a head in dim 0 of ``merge``: one a channel, or one for
+    all of them where the attend kernels run one work-item a work-group (a
+    CPU: each block's weight is then computed once, not once a channel)."""
+    return 1 if _wanted_local_size(dev) == 1 else hd
 
 
 
@@ -218,7 +235,7 @@ def _attend_rows(
     out_buf = sc.get("out", T * nq * hd * 4)
     mz = sc.get("mz", T * nq * 2 * 4)
     programs.kernel(prg, "merge")(
-        queue, (hd, nq, T), None,
+        queue, (merge_width(dev, hd), nq, T), None,
         pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks), np.int32(0),
         vcol, np.int32(mirror.v_quant), np.int32(g0), np.int32(ng), np.int32(hd),
         np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(0), d, out_buf, mz,

@@ -405,7 +405,11 @@ __kernel void partial_kh_vh(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_F16); }
 __kernel void partial_kb_vb(KV_ARGS) { partial_body(KV_PASS, 0, 0, KVREG_BF16); }
 
 /* Merge the partial states of every block, in block order (fixed, so the
- * answer is deterministic).  One work-item per (channel, Q head, token). */
+ * answer is deterministic).  Work-item (c, Q head, token) takes the channels
+ * c, c + G, ... (G = global size of dim 0): G = hd on a GPU (a channel a
+ * work-item), G = 1 on a CPU, where one work-item takes a head's every
+ * channel and so computes each block's e^{m_b - M} once instead of once a
+ * channel.  Per channel the same operations either way. */
 __kernel void merge(__global const float *pm, __global const float *ps,
                     __global const float *pacc,
                     __global const int *nlim, __global const int *firsts,
@@ -420,48 +424,59 @@ __kernel void merge(__global const float *pm, __global const float *ps,
                     __global float *out,             /* [T, nq, hd] */
                     __global float *mz)              /* [T, nq, 2] */
 {
-    const int d = get_global_id(0);
+    const int c = get_global_id(0);
+    const int G = get_global_size(0);
     const int qh = get_global_id(1);
     const int t = get_global_id(2);
-    if (d >= hd) return;
+    if (c >= hd) return;
     const int nq = ng * hpk;
     const int gl = qh / hpk;
     const int n = nlim[t * ng + gl];
     const int first = firsts[t * ng + gl];
     const size_t o = ((size_t)t * nq + qh);
+    __global float *oh = out + o * hd;
     if (n <= 0) {
-        out[o * hd + d] = 0.0f;
-        if (d == 0) { mz[2 * o] = -INFINITY; mz[2 * o + 1] = 0.0f; }
+        for (int d = c; d < hd; d += G) oh[d] = 0.0f;
+        if (c == 0) { mz[2 * o] = -INFINITY; mz[2 * o + 1] = 0.0f; }
         return;
     }
     const int nb = (n - first + br - 1) / br;
     float m = -INFINITY;
     for (int b = 0; b < nb; ++b) m = kvreg_max_nan(m, pm[o * nblk + b]);
     if (has_sinks) m = kvreg_max_nan(m, sinks[t * sink_t + qh]);
-    float z = 0.0f, acc = 0.0f;
+    float z = 0.0f;
     if (!isfinite(m)) {
         /* a NaN or +inf score, or every visible score -inf and no sink: the
          * softmax is NaN (IEEE, as the reference computes it), and so are
          * every channel of the output and every visible probability. */
         z = NAN;
-        acc = NAN;
+        for (int d = c; d < hd; d += G) oh[d] = NAN;
     } else {
+        /* the channel sums accumulate in `out`, block by block: a block of
+         * -inf scores has f = exp(-inf) = 0, and 0 * NaN still carries a NaN
+         * value row into the output (IEEE, as the reference computes it) */
+        const int v8 = G == 1 && (hd & 7) == 0;
         for (int b = 0; b < nb; ++b) {
-            /* a block of -inf scores has f = exp(-inf) = 0, and 0 * NaN
-             * still carries a NaN value row into the output (IEEE, as the
-             * reference computes it) */
-            const float mb = pm[o * nblk + b];
-            const float f = exp(mb - m);
+            const float f = exp(pm[o * nblk + b] - m);
             z += ps[o * nblk + b] * f;
-            acc += pacc[(o * nblk + b) * hd + d] * f;
+            __global const float *pb = pacc + (o * nblk + b) * hd;
+            if (v8) {
+                for (int d8 = 0; d8 < (hd >> 3); ++d8)
+                    KVREG_ST8G((b ? KVREG_LD8G(d8, oh) : (float8)(0.0f)) + KVREG_LD8G(d8, pb) * f, d8, oh);
+            } else {
+                for (int d = c; d < hd; d += G) oh[d] = (b ? oh[d] : 0.0f) + pb[d] * f;
+            }
         }
         /* the sink joins the denominator last, as in the seed */
         if (has_sinks) z += exp(sinks[t * sink_t + qh] - m);
     }
-    float r = (z > 0.0f || isnan(z)) ? acc / z : 0.0f;
-    if (use_vcol) r *= vcol[(size_t)(g0 + gl + (tg ? tslot[t] * tg : 0)) * hd + d];
-    out[o * hd + d] = r;
-    if (d == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
+    __global const float *vc = vcol + (size_t)(g0 + gl + (tg ? tslot[t] * tg : 0)) * hd;
+    for (int d = c; d < hd; d += G) {
+        float r = (z > 0.0f || isnan(z)) ? oh[d] / z : 0.0f;
+        if (use_vcol) r *= vc[d];
+        oh[d] = r;
+    }
+    if (c == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
 }
 
 /* Capped scores -> probabilities, in place.  One work-item per (row, head, token). */
