@@ -17,7 +17,6 @@ import numpy as np
 from . import _validate as V
 from .errors import ConfigError, ShapeError
 from .lifecycle import Lifecycle
-from .quant import fwht
 
 __all__ = ["attend_batch"]
 
@@ -77,14 +76,14 @@ def attend_batch(q, layers, *, scale: float | None = None, window: int | None = 
             w = None if windows[0] is None else max(windows)   # each is clamped to its own rows: same firsts
             qk = qb[open_]
             if st0.rot_k:
-                qk = fwht(qk)
+                qk = first.backend.rotate_rows(qk)
             res = first.backend.attend_batch(
                 np.ascontiguousarray(qk, dtype=np.float32), [layers[i].storage.view() for i in open_],
                 scale=args[open_[0]]["scale"], window=w, softcap=args[open_[0]]["softcap"],
                 sinks=np.stack([args[i]["sinks"] for i in open_]) if with_sinks[0] else None,
                 imps=[args[i]["imp"] for i in open_])
             if st0.rot_v:
-                res = fwht(res)
+                res = first.backend.rotate_rows(res)
             out[open_] = res
             for i in open_:
                 layers[i]._o1_record(qb[i])

@@ -19,7 +19,7 @@ from . import _validate as V
 from .errors import SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
-from .quant import HALF_OVERFLOW, from_half, fwht, to_half
+from .quant import HALF_OVERFLOW, from_half, to_half
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
 from ._o1_layer import O1Mixin
@@ -39,10 +39,11 @@ MAX_ROW = 2**24
 Q8_ABS_MAX = 1e18
 
 
-def _basis(rotated: bool, x: np.ndarray) -> np.ndarray:
+def _basis(backend, rotated: bool, x: np.ndarray) -> np.ndarray:
     """Rows into (or, the transform being its own inverse, out of) the
-    Walsh-Hadamard basis when ``rotated``; else float32 as they are."""
-    return fwht(x) if rotated else np.asarray(x, dtype=np.float32)
+    Walsh-Hadamard basis when ``rotated`` (``backend.rotate_rows``); else
+    float32 as they are."""
+    return backend.rotate_rows(x) if rotated else np.asarray(x, dtype=np.float32)
 
 
 def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
@@ -426,9 +427,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 # q8: the rows join the float16 window; those it pushes out are
                 # quantized from their float16 value (one call per side, every head).
                 if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
-                    kh, vh = fwht(np.stack((kh, vh)))
+                    kh, vh = self.backend.rotate_rows(np.stack((kh, vh)))
                 else:
-                    kh, vh = _basis(st.rot_k, kh), _basis(st.rot_v, vh)
+                    kh, vh = _basis(self.backend, st.rot_k, kh), _basis(self.backend, st.rot_v, vh)
                 if t:
                     exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
                 st.reserve(int(st.lens[heads].max()) + n)
@@ -471,8 +472,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """q4: rotate the rows of the alive ``heads``, check them, tier them in."""
         st, n = self._st, k.shape[0]
         every = heads.size == self.num_kv_heads
-        rk = _basis(st.rot_k, (k if every else k[:, heads]).transpose(1, 0, 2))
-        rv = _basis(st.rot_v, (v if every else v[:, heads]).transpose(1, 0, 2))
+        rk = _basis(self.backend, st.rot_k, (k if every else k[:, heads]).transpose(1, 0, 2))
+        rv = _basis(self.backend, st.rot_v, (v if every else v[:, heads]).transpose(1, 0, 2))
         for name, r in (("k", rk), ("v", rv)):
             # The newest rows are float16 (the scales too): a rotated value
             # past its range would be stored as inf.
@@ -510,8 +511,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """``kernel(q, st, ...)``, in the rotated basis where the rows are (the
         quantized sides of q8, q8k, q8v and q4): ``⟨Hq, Hk⟩ = ⟨q, k⟩`` and
         ``H Σ p Hv = Σ p v`` (H is its own inverse)."""
-        out = kernel(fwht(q) if st.rot_k else q, st.view(), *args, **kwargs)
-        return fwht(out) if st.rot_v else out
+        rotate = self.backend.rotate_rows
+        out = kernel(rotate(q) if st.rot_k else q, st.view(), *args, **kwargs)
+        return rotate(out) if st.rot_v else out
 
     def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
                      sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
@@ -643,8 +645,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         shape = (self.num_kv_heads, n - lo, self.head_dim)
         k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
         for h in range(self.num_kv_heads):
-            k[h] = _basis(src.rot_k, src.attended_rows("k", h, lo, n))
-            v[h] = _basis(src.rot_v, src.attended_rows("v", h, lo, n))
+            k[h] = _basis(self.backend, src.rot_k, src.attended_rows("k", h, lo, n))
+            v[h] = _basis(self.backend, src.rot_v, src.attended_rows("v", h, lo, n))
         return k, v
 
     def accumulate_imp(self, probs) -> None:

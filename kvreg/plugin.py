@@ -23,7 +23,7 @@ view is meant for the call it is handed to).
 Numerics contract (the conformance suite checks it):
 
 * exact class, bit for bit on every backend: ``quantize_rows``,
-  ``freeze_field``, ``gather_rows``;
+  ``freeze_field``, ``gather_rows``, ``rotate_rows``;
 * within one backend, bit for bit: ``attend_group`` of a group == each head
   alone; ``attend_layer`` == ``attend_group`` per KV group; ``attend_batch``
   == ``attend_layer`` per sequence; scoring ``[first,
@@ -60,6 +60,7 @@ KERNELS = (
     "quantize_rows",
     "freeze_field",
     "gather_rows",
+    "rotate_rows",
     "bounded_attend",
     "nystrom_prefill",
     "nystrom_absorb",
@@ -380,6 +381,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def gather_rows(self, rows: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """``rows[idx]`` (``idx`` ascending int64), bit for bit."""
+
+    @abc.abstractmethod
+    def rotate_rows(self, x: np.ndarray) -> np.ndarray:
+        """The orthonormal Walsh-Hadamard transform of the rows ``x [..., hd]``
+        (``hd`` a power of two), float32, a new array: bit for bit
+        :func:`kvreg.quant.fwht` (butterflies in its order, then the scale).
+        The rotated modes (q8, q8k, q8v, q4) run it on every append (the new
+        rows) and every attend (the query, and the output back)."""
 
     # ── bounded layers ──
 

@@ -246,6 +246,9 @@ class ReferenceBackend(Backend):
     def gather_rows(self, rows, idx):
         return rows[idx]
 
+    def rotate_rows(self, x):
+        return quant.fwht(x)
+
     def bounded_attend(self, q, ring: RingView, *, scale, num_heads):
         from .bounded import bounded_attend
 

@@ -194,7 +194,22 @@ class PositionKeyedRing(ReferenceBackend):
         return super().bounded_attend(q, ring._replace(k=c[1], v=c[2]), **kw)
 
 
-BROKEN = BROKEN + (NarrowRowCount, ShortestHeadLayer, PositionKeyedRing)
+class MatmulRotation(ReferenceBackend):
+    """rotate_rows as a product with the Hadamard matrix (one BLAS call
+    instead of the butterflies): the same transform, other roundings."""
+
+    name = "broken_rotate"
+    auto = False
+
+    def rotate_rows(self, x):
+        hd = x.shape[-1]
+        h = np.ones((1, 1), np.float32)
+        while h.shape[0] < hd:
+            h = np.block([[h, h], [h, -h]])
+        return (np.asarray(x, np.float32) @ h) * np.float32(1.0 / np.sqrt(hd))
+
+
+BROKEN = BROKEN + (NarrowRowCount, ShortestHeadLayer, PositionKeyedRing, MatmulRotation)
 
 class _KvregPlugin:
     @hookimpl

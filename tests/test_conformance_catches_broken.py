@@ -39,6 +39,7 @@ def run_suite(backend, keyword, extra_env=None):
     ("broken_ragged", "attention_on_ragged_heads", "attend_layer"),
     ("broken_ring", "import_at_the_same_position", "bounded_attend"),
     ("broken_nan", "nan_in_a_key_row", "attend_layer"),
+    ("broken_rotate", "rotate_rows", "rotate_rows"),
 ])
 def test_suite_fails_the_broken_backend_naming_the_kernel(backend, keyword, kernel):
     rc, out = run_suite(backend, keyword)
@@ -50,7 +51,7 @@ def test_the_same_selection_passes_on_the_reference():
     # Guards the cases above: they fail because of the bug, not the selection.
     rc, out = run_suite("reference", "quantize_rows_rounds_ties or attend_group_matches_the_oracle and plain "
                                      "or attend_layer_equals_attend_group or evict_born_gathers "
-                                     "or truncate_then_append or nan_in_a_key_row")
+                                     "or truncate_then_append or nan_in_a_key_row or rotate_rows")
     assert rc == 0, out[-3000:]
 
 

@@ -1,6 +1,7 @@
 """The exact class: bit for bit against the NumPy reference on every backend.
 
-``quantize_rows`` (ties, NaN, short last groups, fields), the storage after
+``quantize_rows`` (ties, NaN, short last groups, fields), ``rotate_rows``
+(the Walsh-Hadamard transform of the rotated modes), the storage after
 every mutation in every KV mode, and the wire bytes (f32 and f16).
 """
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvreg import KV_K_GROUP, KvMode, LayerKvCache
+from kvreg.quant import fwht
 from kvreg.quant import quantize_rows as quantize_rows_spec
 
 from .checks import assert_same_storage
@@ -203,6 +205,18 @@ def test_gather_rows_matches_numpy_indexing(backend, check):
     rows = rng_rows(40, 50, 24)
     for idx in (np.arange(50), np.array([0]), np.array([3, 4, 9, 30, 49]), np.array([], dtype=np.int64)):
         check.exact("gather_rows", np.asarray(backend.gather_rows(rows, idx)), rows[idx], f"idx {idx.tolist()}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("hd", [2, 8, 64, 128, 256])
+def test_rotate_rows_gives_the_walsh_hadamard_bits_of_the_reference(backend, check, hd):
+    rows = rng_rows(41, 7, hd) * f32(3.0)
+    rows[1, : min(hd, 6)] = f32([np.inf, -np.inf, np.nan, -0.0, 1e-45, 3e38][: min(hd, 6)])
+    rows[2] = 0.0
+    rows[3, 0] = f32(3.4e38)                       # overflows to inf in the butterflies
+    for x, what in ((rows, "rows [7, hd]"), (rows[::2], "every other row (a strided view)"),
+                    (np.stack((rows, -rows)), "stacked [2, 7, hd]"), (rows[:0], "no rows")):
+        check.exact("rotate_rows", np.asarray(backend.rotate_rows(x)), fwht(x), f"hd {hd}, {what}")
 
 
 @pytest.mark.parametrize("f16", [False, True], ids=["f32", "f16"])

@@ -172,6 +172,9 @@ class NumbaBackend(ReferenceBackend):
 
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
+        from .quant import fwht_rows  # numba imported by _load_kernels: its failure is a BackendError there
+
+        self._fwht_rows = fwht_rows
         self._rows = None  # batch rows, built at the first attend_batch
 
     def describe(self) -> str:
@@ -252,6 +255,14 @@ class NumbaBackend(ReferenceBackend):
 
     def freeze_field(self, q, s, *, group):
         return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))
+
+    def rotate_rows(self, x):
+        x = np.asarray(x)
+        hd = x.shape[-1]
+        if x.dtype != np.float32 or hd < 2 or hd & (hd - 1):
+            return super().rotate_rows(x)   # not float32 rows of a power of two: NumPy's (and its errors)
+        flat = np.ascontiguousarray(x).reshape(-1, hd)
+        return self._fwht_rows(flat, np.float32(1.0 / np.sqrt(hd))).reshape(x.shape)
 
     def gather_rows(self, rows, idx):
         idx = np.ascontiguousarray(idx, dtype=np.int64)
