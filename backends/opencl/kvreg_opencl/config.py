@@ -47,6 +47,11 @@ INLINE_VEC: bool | None = None
 #: and -inf handling must stay IEEE.
 ATTEND_OPTIONS: tuple[str, ...] = ()
 
+#: On a CPU device, quantize_rows of fewer rows than this runs on the host
+#: (NumPy, the same bits): a launch and a read-back on PoCL cost ~5x NumPy's
+#: quantize of a decode append's rows.
+HOST_QUANT_ROWS = 256
+
 #: Build options of the quantize program (exact class: IEEE division).
 QUANT_OPTIONS: tuple[str, ...] = ("-cl-fp32-correctly-rounded-divide-sqrt",)
 

@@ -73,3 +73,27 @@ def test_random_rows_with_field_bit_exact(dev, hd, group):
        hs.sampled_from([32, 5]))
 def test_hypothesis_bit_exact(dev, x, group):
     same_bits(dev, x, None, group)
+
+
+def test_the_backend_quantizes_a_few_rows_on_the_host_of_a_cpu_device_and_many_on_the_device(dev, monkeypatch):
+    """Decode appends are a few rows: on a CPU device NumPy is ~5x cheaper
+    than a launch and a read-back, so they stay on the host; a prefill's
+    thousands of rows go to the device. Same bits either way (exact class)."""
+    from kvreg import quant
+    from kvreg_opencl import config
+    from kvreg_opencl.backend import OpenCLBackend
+
+    be = OpenCLBackend()
+    launches = []
+    real = kernels.quantize_rows
+    monkeypatch.setattr(kernels, "quantize_rows", lambda *a: launches.append(a[1].shape[0]) or real(*a))
+    rng = np.random.default_rng(3)
+    for n in (8, config.HOST_QUANT_ROWS):
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        col = rng.random((n, 64)).astype(np.float32) + 0.5
+        q, s = be.quantize_rows(x, col, group=32)
+        rq, rs = quant.quantize_rows(x, col, 32)
+        np.testing.assert_array_equal(q, rq)
+        np.testing.assert_array_equal(s.view(np.int32), rs.view(np.int32))
+    device_rows = [config.HOST_QUANT_ROWS] if dev.info.kind == "CPU" else [8, config.HOST_QUANT_ROWS]
+    assert launches == (device_rows if be._native_quant else [])
