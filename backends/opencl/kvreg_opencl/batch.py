@@ -45,7 +45,7 @@ import weakref
 import numpy as np
 
 from . import config, programs
-from .kernels import _launch_lock, launch_partial, merge_width, partial_states, scratch, visible
+from .kernels import _launch_lock, launch_partial, merge_width, partial_states, score_stride, scratch, visible
 from .mirror import ROW_ARRAYS, owner_ref, owns
 
 
@@ -292,7 +292,7 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     nl_buf = sc.put("nlim", nlim)
     fi_buf = sc.put("firsts", firsts)
     want_imp = imps is not None and any(i is not None for i in imps)
-    sstride = max(1, smax)
+    sstride = score_stride(dev, smax)
     sc_buf = sc.get("scores", B * nq * sstride * 4) if want_imp else sc.dummy
     row_bufs = {n: bufs[n] for n in ROW_ARRAYS if n in bufs}
     exact = (bufs["xk"] if m0.xk is not None else None, bufs["xv"] if m0.xv is not None else None,
@@ -317,7 +317,8 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
         np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(nkv), ts_buf, out_buf, mz,
     )
     if want_imp:
-        programs.kernel(prg, "probs")(queue, (sstride, nq, B), None, sc_buf, mz, nl_buf, fi_buf,
+        programs.kernel(prg, "probs")(queue, (1 if merge_width(dev, hd) == 1 else sstride, nq, B), None,
+                                      sc_buf, mz, nl_buf, fi_buf,
                                       np.int32(nkv), np.int32(hpk), np.int32(sstride))
         his = np.zeros(B, np.int32)
         for b, imp in enumerate(imps):

@@ -94,6 +94,14 @@ def _local_size(kernel, dev: DeviceState) -> int:
     return min(_wanted_local_size(dev), int(wg))
 
 
+def score_stride(dev: DeviceState, smax: int) -> int:
+    """Columns a (token, head) row of the score buffer spans: the visible
+    rows, padded to a multiple of 8 where ``probs`` takes eight a call (a
+    CPU, :func:`merge_width` 1)."""
+    n = max(1, int(smax))
+    return -(-n // 8) * 8 if _wanted_local_size(dev) == 1 else n
+
+
 def merge_width(dev: DeviceState, hd: int) -> int:
     """Work-items a head in dim 0 of ``merge``: one a channel, or one for
     all of them where the attend kernels run one work-item a work-group (a
@@ -217,7 +225,7 @@ def _attend_rows(
     nl_buf = sc.put("nlim", nlim)
     fi_buf = sc.put("firsts", firsts)
     want_scores = bool(want_probs or imp is not None) and smax > 0
-    sstride = max(1, smax)
+    sstride = score_stride(dev, smax)
     sc_buf = sc.get("scores", T * nq * sstride * 4) if want_scores else sc.dummy
     d = sc.dummy
     kcol = mirror.kcol if mirror.kcol is not None else d
@@ -242,20 +250,24 @@ def _attend_rows(
     )
     probs = None
     if want_scores:
-        programs.kernel(prg, "probs")(queue, (sstride, nq, T), None, sc_buf, mz, nl_buf, fi_buf,
-                  np.int32(ng), np.int32(hpk), np.int32(sstride))
+        one = merge_width(dev, hd) == 1
+        programs.kernel(prg, "probs")(queue, (1 if one else sstride, nq, T), None, sc_buf, mz, nl_buf, fi_buf,
+                                      np.int32(ng), np.int32(hpk), np.int32(sstride))
         if imp is not None:
             hi = min(len(imp), int(nlim.max(initial=0)))
             if hi > 0:
                 host = np.ascontiguousarray(imp[:hi], dtype=np.float32)
                 ib = sc.put("imp", host)
-                programs.kernel(prg, "importance")(queue, (hi,), None, ib, np.int32(hi), sc_buf, nl_buf, fi_buf,
-                               np.int32(T), np.int32(ng), np.int32(hpk), np.int32(sstride))
+                width = 8 if one else 1
+                programs.kernel(prg, "importance")(queue, (-(-hi // width),), None, ib, np.int32(hi), sc_buf,
+                                                   nl_buf, fi_buf, np.int32(T), np.int32(ng), np.int32(hpk),
+                                                   np.int32(sstride), np.int32(width))
                 cl.enqueue_copy(queue, host, ib)
                 imp[:hi] = host
         if want_probs:
             probs = np.empty((T, nq, sstride), dtype=np.float32)
             cl.enqueue_copy(queue, probs, sc_buf)
+            probs = probs[:, :, :smax]
     elif want_probs:
         probs = np.zeros((T, nq, 0), dtype=np.float32)
     out = np.empty((T, nq, hd), dtype=np.float32)

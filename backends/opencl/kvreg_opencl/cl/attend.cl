@@ -479,47 +479,90 @@ __kernel void merge(__global const float *pm, __global const float *ps,
     if (c == 0) { mz[2 * o] = m; mz[2 * o + 1] = z; }
 }
 
-/* Capped scores -> probabilities, in place.  One work-item per (row, head, token). */
+/* Capped scores -> probabilities, in place.  Work-item (c, head, token)
+ * takes the rows c, c + G, ... (G = global size of dim 0): one a row on a GPU
+ * (G = sstride); on a CPU (G = 1) one work-item a head, eight rows an `exp`
+ * call (the host pads sstride to a multiple of 8: the lanes past the span
+ * are computed and never read, and every row gets the vector exp). */
 __kernel void probs(__global float *scores, __global const float *mz,
                     __global const int *nlim, __global const int *firsts,
                     const int ng, const int hpk, const int sstride)
 {
-    const int pr = get_global_id(0);
+    const int c = get_global_id(0);
+    const int G = get_global_size(0);
     const int qh = get_global_id(1);
     const int t = get_global_id(2);
     const int nq = ng * hpk;
     const int gl = qh / hpk;
     const int span = nlim[t * ng + gl] - firsts[t * ng + gl];
-    if (pr >= span) return;
     const size_t o = (size_t)t * nq + qh;
     const float m = mz[2 * o], z = mz[2 * o + 1];
-    const size_t i = o * sstride + pr;
+    __global float *row = scores + o * sstride;
     /* z is >= 1 (the max's own exp(0)) or NaN (a poisoned head: every
      * visible probability NaN) */
-    scores[i] = exp(scores[i] - m) / z;
+    if (G == 1 && (sstride & 7) == 0) {
+        for (int p8 = 0; 8 * p8 < span; ++p8)
+            KVREG_ST8G(exp(KVREG_LD8G(p8, row) - m) / z, p8, row);
+    } else {
+        for (int pr = c; pr < span; pr += G) row[pr] = exp(row[pr] - m) / z;
+    }
 }
 
 /* imp[p] += prob[t, h, p] for every token and head, added one at a time in
  * (token, head) order: the same sequence of float additions as the seed's
- * per-head loop, so per-head and grouped calls accumulate the same bits. */
+ * per-head loop, so per-head and grouped calls accumulate the same bits.
+ * Work-item i takes the rows [w*i, w*i + w), w = `width` (1, or 8 on a CPU:
+ * eight rows side by side in a float8, each with its own additions in the
+ * same order; a row outside a head's span keeps its sum, not + 0). */
 __kernel void importance(__global float *imp, const int imp_len,
                          __global const float *prob,
                          __global const int *nlim, __global const int *firsts,
-                         const int T, const int ng, const int hpk, const int sstride)
+                         const int T, const int ng, const int hpk, const int sstride,
+                         const int width)
 {
-    const int p = get_global_id(0);
-    if (p >= imp_len) return;
+    const int p0 = get_global_id(0) * width;
+    if (p0 >= imp_len) return;
     const int nq = ng * hpk;
-    float acc = imp[p];
-    for (int t = 0; t < T; ++t) {
-        for (int qh = 0; qh < nq; ++qh) {
-            const int gl = qh / hpk;
-            const int f = firsts[t * ng + gl];
-            if (p < f || p >= nlim[t * ng + gl]) continue;
-            acc += prob[((size_t)t * nq + qh) * sstride + (p - f)];
+    if (width == 8 && p0 + 8 <= imp_len) {
+        float8 acc = KVREG_LD8G(0, imp + p0);
+        const int8 pv = (int8)(p0) + (int8)(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int t = 0; t < T; ++t) {
+            for (int qh = 0; qh < nq; ++qh) {
+                const int gl = qh / hpk;
+                const int f = firsts[t * ng + gl], n = nlim[t * ng + gl];
+                if (p0 + 8 <= f || p0 >= n) continue;
+                /* columns p - f of this head's row; lanes outside [f, n) read
+                 * a neighbouring column (or the row's own padding) and are
+                 * not added */
+                const size_t base = ((size_t)t * nq + qh) * sstride;
+                float8 x;
+                if (p0 >= f && p0 + 8 <= n) {
+                    x = KVREG_LD8G(0, prob + base + (p0 - f));
+                } else {
+                    float xs[8];
+                    for (int j = 0; j < 8; ++j)
+                        xs[j] = (p0 + j >= f && p0 + j < n) ? prob[base + (p0 + j - f)] : 0.0f;
+                    x = vload8(0, xs);
+                }
+                const int8 in = (pv >= (int8)(f)) & (pv < (int8)(n));
+                acc = in ? acc + x : acc;
+            }
         }
+        KVREG_ST8G(acc, 0, imp + p0);
+        return;
     }
-    imp[p] = acc;
+    for (int p = p0; p < min(p0 + width, imp_len); ++p) {
+        float acc = imp[p];
+        for (int t = 0; t < T; ++t) {
+            for (int qh = 0; qh < nq; ++qh) {
+                const int gl = qh / hpk;
+                const int f = firsts[t * ng + gl];
+                if (p < f || p >= nlim[t * ng + gl]) continue;
+                acc += prob[((size_t)t * nq + qh) * sstride + (p - f)];
+            }
+        }
+        imp[p] = acc;
+    }
 }
 
 /* The batch's importance: token t is sequence t, with its own accumulator
