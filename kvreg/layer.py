@@ -361,11 +361,15 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         mode = st.mode
         heads = np.flatnonzero(alive)
         if mode.quantized:
+            every = heads.size == self.num_kv_heads
             for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
+                if not q:
+                    continue
+                x = x if every else x[:, heads]
                 # One comparison refuses NaN (it compares false) as well as inf
                 # and values so large that the field's float32 RMS would overflow.
-                if q and not (np.abs(x[:, heads]) <= Q8_ABS_MAX).all():
-                    what = "inf/NaN values" if not np.isfinite(x[:, heads]).all() else \
+                if not (np.abs(x) <= Q8_ABS_MAX).all():
+                    what = "inf/NaN values" if not np.isfinite(x).all() else \
                         f"values beyond ±{Q8_ABS_MAX:.0e}"
                     raise ShapeError(f"{name} has {what}: a {mode.value} layer stores finite rows with |x| <= "
                                      f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "

@@ -718,6 +718,14 @@ class LayerStorage:
         :meth:`advance_window` once both sides are pushed."""
         th, w, n = getattr(self, "th" + side), self.window, x.shape[1]
         fh = self.lens[heads] - self.b8[heads]
+        if n == 1 and heads.size == th.shape[0] and (fh == w).all():
+            # A decode step past the window (every head): its oldest row
+            # leaves, the rest move down one, the new row goes last. The
+            # same rows and float16 roundings as the general case below.
+            leaving = th[:, 0].astype(np.float32)
+            th[:, :-1] = th[:, 1:]
+            th[:, -1] = x[:, 0]
+            return (heads, self.b8[heads]), leaving
         if heads.size and (fh == fh[0]).all():
             f = np.concatenate([th[heads, : fh[0]], x.astype(np.float16)], axis=1)
             out = max(int(fh[0]) + n - w, 0)

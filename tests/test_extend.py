@@ -9,12 +9,14 @@ from kvreg.testing import startable_backends
 
 @pytest.mark.parametrize("mode", list(KvMode))
 @pytest.mark.parametrize("chunks", [(150,), (10, 54, 1, 85), (63, 1, 1, 85), (64, 86)])
-def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks):
+@pytest.mark.parametrize("alive", [[True, False, True], [True, True, True]], ids=["dead-head", "all-alive"])
+def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive):
+    # all-alive: one-row appends past a full float16 window take the storage's decode step
     rng = np.random.default_rng(3)
     n = sum(chunks)
     k = rng.standard_normal((n, 3, 40)).astype(np.float32)
     v = rng.standard_normal((n, 3, 40)).astype(np.float32)
-    alive = np.array([True, False, True])
+    alive = np.array(alive)
     a = LayerKvCache(3, 40, mode, "reference")
     b = LayerKvCache(3, 40, mode, "reference")
     for p in range(n):
@@ -31,6 +33,13 @@ def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks):
             assert np.array_equal(getattr(sa, name)[h, :m], getattr(sb, name)[h, :m]), (name, h)
     assert np.array_equal(sa.kcol_set, sb.kcol_set) and np.array_equal(sa.kcol, sb.kcol)
     assert np.array_equal(sa.vcol, sb.vcol)
+    if sa.window:   # q8's float16 windows: the newest rows, bit for bit
+        assert np.array_equal(sa.b8, sb.b8)
+        for t in ("thk", "thv"):
+            if getattr(sa, t) is not None:
+                for h in range(3):
+                    w = sa.lens[h] - sa.b8[h]
+                    assert getattr(sa, t)[h, :w].tobytes() == getattr(sb, t)[h, :w].tobytes(), (t, h)
 
 
 def test_extend_refuses_mismatched_rows_and_changes_nothing():
