@@ -79,3 +79,22 @@ def test_a_backend_opened_before_reset_device_still_launches_beside_a_new_one(se
     np.testing.assert_array_equal(answer(new), want)
     np.testing.assert_array_equal(answer(old), want)
     np.testing.assert_array_equal(answer(new), want)
+
+
+def test_kernels_declare_their_scalar_argument_types(selector, fresh):
+    """The cached kernels know their scalar arguments' types (from the
+    program's argument info), so pyopencl packs a launch's arguments without
+    trying each type: a plain Python int is accepted where a bare kernel
+    refuses it."""
+    import pyopencl as cl
+
+    from kvreg_opencl import kernels
+
+    be = kvreg.get_backend("opencl", selector)
+    prg = programs.attend_program(be._dev, 4)
+    buf = kernels.scratch(be._dev).put("probe", np.zeros(1024, np.int32))   # bounds 0: nothing to do
+    args = (buf, buf, buf, buf, 1, 1, 8)   # probs: scores, mz, nlim, firsts, then ng, hpk, sstride
+    programs.kernel(prg, "probs")(be._dev.queue, (1, 1, 1), None, *args)
+    be._dev.queue.finish()
+    with pytest.raises(cl.LogicError):
+        cl.Kernel(prg, "probs")(be._dev.queue, (1, 1, 1), None, *args)

@@ -45,7 +45,7 @@ import weakref
 import numpy as np
 
 from . import config, programs
-from .kernels import _launch_lock, launch_partial, merge_width, partial_states, score_stride, scratch, visible
+from .kernels import _launch_lock, launch_partial, one_item, partial_states, score_stride, scratch, visible
 from .mirror import ROW_ARRAYS, owner_ref, owns
 
 
@@ -311,13 +311,13 @@ def _attend_batch(backend, q, kvs, *, scale, window, softcap, sinks, imps):
     out_buf = sc.get("out", B * nq * hd * 4)
     mz = sc.get("mz", B * nq * 2 * 4)
     programs.kernel(prg, "merge")(
-        queue, (merge_width(dev, hd), nq, B), None,
+        queue, (1 if one_item(dev) else hd, nq, B), None,
         pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks), np.int32(nq),
         vcol, np.int32(m0.v_quant), np.int32(0), np.int32(nkv), np.int32(hd),
         np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(nkv), ts_buf, out_buf, mz,
     )
     if want_imp:
-        programs.kernel(prg, "probs")(queue, (1 if merge_width(dev, hd) == 1 else sstride, nq, B), None,
+        programs.kernel(prg, "probs")(queue, (1 if one_item(dev) else sstride, nq, B), None,
                                       sc_buf, mz, nl_buf, fi_buf,
                                       np.int32(nkv), np.int32(hpk), np.int32(sstride))
         his = np.zeros(B, np.int32)

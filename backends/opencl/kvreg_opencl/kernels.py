@@ -94,19 +94,19 @@ def _local_size(kernel, dev: DeviceState) -> int:
     return min(_wanted_local_size(dev), int(wg))
 
 
+def one_item(dev: DeviceState) -> bool:
+    """Whether the attend kernels run one work-item a work-group (a CPU's
+    default): then ``merge`` and ``probs`` run one work-item a head too (each
+    block's weight one ``exp``, not one a channel; eight scores an ``exp``
+    call) and ``importance`` eight rows a work-item."""
+    return _wanted_local_size(dev) == 1
+
+
 def score_stride(dev: DeviceState, smax: int) -> int:
     """Columns a (token, head) row of the score buffer spans: the visible
-    rows, padded to a multiple of 8 where ``probs`` takes eight a call (a
-    CPU, :func:`merge_width` 1)."""
+    rows, padded to a multiple of 8 where ``probs`` takes eight a call."""
     n = max(1, int(smax))
-    return -(-n // 8) * 8 if _wanted_local_size(dev) == 1 else n
-
-
-def merge_width(dev: DeviceState, hd: int) -> int:
-    """Work-items a head in dim 0 of ``merge``: one a channel, or one for
-    all of them where the attend kernels run one work-item a work-group (a
-    CPU: each block's weight is then computed once, not once a channel)."""
-    return 1 if _wanted_local_size(dev) == 1 else hd
+    return -(-n // 8) * 8 if one_item(dev) else n
 
 
 
@@ -243,14 +243,14 @@ def _attend_rows(
     out_buf = sc.get("out", T * nq * hd * 4)
     mz = sc.get("mz", T * nq * 2 * 4)
     programs.kernel(prg, "merge")(
-        queue, (merge_width(dev, hd), nq, T), None,
+        queue, (1 if one_item(dev) else hd, nq, T), None,
         pm, ps, pacc, nl_buf, fi_buf, sk_buf, np.int32(has_sinks), np.int32(0),
         vcol, np.int32(mirror.v_quant), np.int32(g0), np.int32(ng), np.int32(hd),
         np.int32(hpk), np.int32(br), np.int32(nblk), np.int32(0), d, out_buf, mz,
     )
     probs = None
     if want_scores:
-        one = merge_width(dev, hd) == 1
+        one = one_item(dev)
         programs.kernel(prg, "probs")(queue, (1 if one else sstride, nq, T), None, sc_buf, mz, nl_buf, fi_buf,
                                       np.int32(ng), np.int32(hpk), np.int32(sstride))
         if imp is not None:

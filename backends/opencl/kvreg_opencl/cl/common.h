@@ -53,24 +53,18 @@ typedef ushort kvreg_u4u __attribute__((ext_vector_type(4), aligned(2)));
  * shifted into a float's and scaled by 2^112 (a power of two: exact, and
  * subnormal halves land on normal floats); inf and NaN keep an all-ones
  * exponent (a NaN's payload shifted like vload_half's). */
-inline float8 kvreg_half8(ushort8 h)
-{
-    const uint8 u = KVREG_U2U8(h);
-    const uint8 em = u & 0x7fffu;
-    const float8 f = as_float8(em << 13) * 0x1p112f;
-    const float8 big = as_float8((em << 13) | 0x7f800000u);
-    const int8 special = as_int8(em) >= (int8)(0x7c00);
-    return as_float8(as_uint8(special ? big : f) | ((u & 0x8000u) << 16));
-}
-inline float4 kvreg_half4(ushort4 h)
-{
-    const uint4 u = KVREG_U2U4(h);
-    const uint4 em = u & 0x7fffu;
-    const float4 f = as_float4(em << 13) * 0x1p112f;
-    const float4 big = as_float4((em << 13) | 0x7f800000u);
-    const int4 special = as_int4(em) >= (int4)(0x7c00);
-    return as_float4(as_uint4(special ? big : f) | ((u & 0x8000u) << 16));
-}
+#define KVREG_HALF_WIDEN(N)                                                   \
+    inline float##N kvreg_half##N(ushort##N h)                                \
+    {                                                                         \
+        const uint##N u = __builtin_convertvector(h, uint##N);                \
+        const uint##N em = u & 0x7fffu;                                       \
+        const float##N f = as_float##N(em << 13) * 0x1p112f;                  \
+        const float##N big = as_float##N((em << 13) | 0x7f800000u);           \
+        const int##N special = as_int##N(em) >= (int##N)(0x7c00);             \
+        return as_float##N(as_uint##N(special ? big : f) | ((u & 0x8000u) << 16)); \
+    }
+KVREG_HALF_WIDEN(8)
+KVREG_HALF_WIDEN(4)
 #define KVREG_LDH8G(i, p) kvreg_half8(KVREG_LDU8G(i, (__global const ushort *)(p)))
 #define KVREG_LDH4G(i, p) kvreg_half4(KVREG_LDU4G(i, (__global const ushort *)(p)))
 #else
