@@ -39,13 +39,6 @@ MAX_ROW = 2**24
 Q8_ABS_MAX = 1e18
 
 
-def _basis(backend, rotated: bool, x: np.ndarray) -> np.ndarray:
-    """Rows into (or, the transform being its own inverse, out of) the
-    Walsh-Hadamard basis when ``rotated`` (``backend.rotate_rows``); else
-    float32 as they are."""
-    return backend.rotate_rows(x) if rotated else np.asarray(x, dtype=np.float32)
-
-
 def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
     """The 2f field of each row to quantize (``n`` rows per head, head-major),
     1 for a head whose field is not frozen; None before any freeze."""
@@ -433,7 +426,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
                     kh, vh = self.backend.rotate_rows(np.stack((kh, vh)))
                 else:
-                    kh, vh = _basis(self.backend, st.rot_k, kh), _basis(self.backend, st.rot_v, vh)
+                    kh, vh = self._basis(st.rot_k, kh), self._basis(st.rot_v, vh)
                 if t:
                     exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
                 st.reserve(int(st.lens[heads].max()) + n)
@@ -476,8 +469,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """q4: rotate the rows of the alive ``heads``, check them, tier them in."""
         st, n = self._st, k.shape[0]
         every = heads.size == self.num_kv_heads
-        rk = _basis(self.backend, st.rot_k, (k if every else k[:, heads]).transpose(1, 0, 2))
-        rv = _basis(self.backend, st.rot_v, (v if every else v[:, heads]).transpose(1, 0, 2))
+        rk = self._basis(st.rot_k, (k if every else k[:, heads]).transpose(1, 0, 2))
+        rv = self._basis(st.rot_v, (v if every else v[:, heads]).transpose(1, 0, 2))
         for name, r in (("k", rk), ("v", rv)):
             # The newest rows are float16 (the scales too): a rotated value
             # past its range would be stored as inf.
@@ -510,6 +503,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         out = self._rotated_attend(self.backend.attend_group, qv, self._st, kv_head, scale=self.default_scale,
                                    first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
         return out[0], probs
+
+    def _basis(self, rotated: bool, x: np.ndarray) -> np.ndarray:
+        """Rows into (or, the transform being its own inverse, out of) the
+        Walsh-Hadamard basis when ``rotated`` (the backend's ``rotate_rows``);
+        else float32 as they are."""
+        return self.backend.rotate_rows(x) if rotated else np.asarray(x, dtype=np.float32)
 
     def _rotated_attend(self, kernel, q, st, *args, **kwargs) -> np.ndarray:
         """``kernel(q, st, ...)``, in the rotated basis where the rows are (the
@@ -649,8 +648,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         shape = (self.num_kv_heads, n - lo, self.head_dim)
         k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
         for h in range(self.num_kv_heads):
-            k[h] = _basis(self.backend, src.rot_k, src.attended_rows("k", h, lo, n))
-            v[h] = _basis(self.backend, src.rot_v, src.attended_rows("v", h, lo, n))
+            k[h] = self._basis(src.rot_k, src.attended_rows("k", h, lo, n))
+            v[h] = self._basis(src.rot_v, src.attended_rows("v", h, lo, n))
         return k, v
 
     def accumulate_imp(self, probs) -> None:

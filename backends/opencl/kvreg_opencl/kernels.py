@@ -134,9 +134,7 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
     kern = programs.kernel(prg, partial_variant(quant, kv_dtype))
     L = _local_size(kern, dev)
     lanes = max(1, L // (hd // 8 if hd % 8 == 0 else hd))  # value-pass row lanes (attend.cl)
-    # vloc: the lanes' partial sums, or (one work-item, hd % 8 == 0) the accumulators
-    vloc = lanes * hc * hd if lanes > 1 or (L == 1 and hd % 8 == 0) else 1
-    local = 4 * (hc * (hd + br + 1) + vloc)
+    local = 4 * hc * (hd + br + 1 + (lanes * hd if lanes > 1 else 0))
     if local > dev.info.local_mem_bytes:
         raise BackendError(
             f"kvreg-opencl: the attend work-group needs {local} bytes of local memory, "
@@ -159,7 +157,7 @@ def launch_partial(dev: DeviceState, prg, quant: tuple[bool, bool], q_buf, bufs:
         np.float32(scale), np.float32(softcap),
         pm, ps, pacc, scores, np.int32(sstride), np.int32(want_scores),
         cl.LocalMemory(4 * hc * hd), cl.LocalMemory(4 * hc * br), cl.LocalMemory(4 * hc),
-        cl.LocalMemory(4 * vloc),
+        cl.LocalMemory(4 * lanes * hc * hd if lanes > 1 else 4),
     )
 
 

@@ -7,7 +7,7 @@
   widenings exact (cl/common.h's binary16 widening included), so the answers
   must not move by a bit.
 - ``LOCAL_SIZE`` 1 (the CPU default: one work-item a work-group, rows outer in
-  the value pass, accumulators in local memory, ``merge`` one work-item a
+  the value pass, sums in the partial state, ``merge`` one work-item a
   head) against 4 (one 8-channel slice a work-item, rows inner, ``merge``
   one work-item a channel): the same additions in the same row order, so
   the same outputs. Not the same probabilities: with one work-item

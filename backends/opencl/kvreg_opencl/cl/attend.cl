@@ -327,29 +327,28 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     (v8 ? KVREG_C2F8(KVREG_LDC8G(dv, vq + p * hd))                            \
         : vw ? kv_load8(thv, (wrow0 + (r)) * hd, dv, KVREG_F16)               \
              : KH != KVREG_F32 ? kv_load8(v, p * hd, dv, KH) : KVREG_LD8G(dv, vr32))
+    /* the weight of row r for head h: e (times the int8 row's scale) */
+#define V_WEIGHT(r, h) (v8 ? sloc[(h) * br + (r)] * ws : sloc[(h) * br + (r)])
+    __global float *pacc0 = pacc + (((size_t)t * nq + qh0) * nblk + b) * hd;   /* head h at + h*nblk*hd */
     if (L == 1 && vec == 8) {
         /* one work-item a work-group (a CPU): rows outer, so each V row is
-         * read once for every head and slice, the accumulators in local
-         * memory (vloc, hc * hd floats).  Per (head, channel) the additions
+         * read once for every head and slice, the sums accumulating in the
+         * block's partial state itself.  Per (head, channel) the additions
          * of the R == 1 loop below, in the same row order: the same bits. */
-        for (int i = 0; i < hcnt * hd; ++i) vloc[i] = 0.0f;
+        for (int h = 0; h < hcnt; ++h)
+            for (int d = 0; d < hd; ++d) pacc0[(size_t)h * nblk * hd + d] = 0.0f;
         for (int r = 0; r < rows; ++r) {
             V_ROW(r);
             float w[KVREG_HC];
-            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
-                w[h] = (h < hcnt) ? (v8 ? sloc[h * br + r] * ws : sloc[h * br + r]) : 0.0f;
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) w[h] = (h < hcnt) ? V_WEIGHT(r, h) : 0.0f;
             for (int dv = 0; dv < nv; ++dv) {
                 const float8 vv = V_SLICE8(r, dv);
                 _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
                     if (h < hcnt) {
-                        __local float *o = vloc + h * hd;
-                        KVREG_ST8L(KVREG_LD8L(dv, o) + w[h] * vv, dv, o);
+                        __global float *o = pacc0 + (size_t)h * nblk * hd;
+                        KVREG_ST8G(KVREG_LD8G(dv, o) + w[h] * vv, dv, o);
                     }
             }
-        }
-        for (int h = 0; h < hcnt; ++h) {
-            __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
-            for (int dv = 0; dv < nv; ++dv) KVREG_ST8G(KVREG_LD8L(dv, vloc + h * hd), dv, o);
         }
         return;
     }
@@ -369,11 +368,11 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
                               : (vw ? kv_load1(thv, (wrow0 + r) * hd + dv, KVREG_F16)
                                     : (KH != KVREG_F32 ? kv_load1(v, p * hd + dv, KH) : vr32[dv])));
             _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
-                if (h < hcnt) acc[h] += (v8 ? sloc[h * br + r] * ws : sloc[h * br + r]) * vv;
+                if (h < hcnt) acc[h] += V_WEIGHT(r, h) * vv;
         }
         for (int h = 0; h < hcnt; ++h) {
             if (R == 1) {
-                __global float *o = pacc + (((size_t)t * nq + qh0 + h) * nblk + b) * hd;
+                __global float *o = pacc0 + (size_t)h * nblk * hd;
                 if (vec == 8) KVREG_ST8G(acc[h], dv, o);
                 else o[dv] = acc[h].s0;
             } else {
@@ -385,13 +384,14 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
     }
 #undef V_ROW
 #undef V_SLICE8
+#undef V_WEIGHT
     if (R > 1) {
         barrier(CLK_LOCAL_MEM_FENCE);
         for (int i = l; i < hcnt * hd; i += L) {
             const int h = i / hd, d = i - h * hd;
             float acc = 0.0f;
             for (int lane = 0; lane < R; ++lane) acc += vloc[(lane * hc + h) * hd + d];
-            pacc[(((size_t)t * nq + qh0 + h) * nblk + b) * hd + d] = acc;
+            pacc0[(size_t)h * nblk * hd + d] = acc;
         }
     }
 }
@@ -531,9 +531,9 @@ __kernel void importance(__global float *imp, const int imp_len,
                 const int gl = qh / hpk;
                 const int f = firsts[t * ng + gl], n = nlim[t * ng + gl];
                 if (p0 + 8 <= f || p0 >= n) continue;
-                /* columns p - f of this head's row; lanes outside [f, n) read
-                 * a neighbouring column (or the row's own padding) and are
-                 * not added */
+                /* columns p - f of this head's row: one load when all eight
+                 * rows are in [f, n), else lane by lane (0 outside); lanes
+                 * outside [f, n) keep their sum */
                 const size_t base = ((size_t)t * nq + qh) * sstride;
                 float8 x;
                 if (p0 >= f && p0 + 8 <= n) {
