@@ -304,16 +304,26 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         k = V.rows("k", k, nkv, hd)
         v = V.rows("v", v, nkv, hd)
         st = self._st
-        if alive is None and self._lifecycle is Lifecycle.PLAIN and st.plain_rows() \
-                and self.pos_len < V.MAX_POSITION:
-            # The decode hot path (F32/f16/bf16, every head alive and level):
-            # what _extend does for one such row, without its general machinery.
-            if st.mode.half:
-                self._check_half(k, v)
-            self._fresh = None
-            st.append_row(k, v)
-            self._seq_len += 1
-            return
+        if alive is None and self._lifecycle is Lifecycle.PLAIN and self.pos_len < V.MAX_POSITION:
+            # The decode hot paths (every head alive and level): what _extend
+            # does for one such row, without its general machinery.
+            if st.plain_rows():     # F32/f16/bf16
+                if st.mode.half:
+                    self._check_half(k, v)
+                self._fresh = None
+                st.append_row(k, v)
+                self._seq_len += 1
+                return
+            if st.window_rows():    # q8/q8k/q8v past the window's first fill
+                self._check_quantized(k, v)
+                self._fresh = None
+                if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
+                    k, v = self.backend.rotate_rows(np.stack((k, v)))
+                else:
+                    k, v = self._basis(st.rot_k, k), self._basis(st.rot_v, v)
+                st.append_window_row(k, v, self.backend.quantize_rows)
+                self._seq_len += 1
+                return
         alive = V.alive_mask(alive, nkv)
         if alive.all() and self._o1_auto_append(k, v):
             return
@@ -355,18 +365,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         heads = np.flatnonzero(alive)
         if mode.quantized:
             every = heads.size == self.num_kv_heads
-            for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
-                if not q:
-                    continue
-                x = x if every else x[:, heads]
-                # One comparison refuses NaN (it compares false) as well as inf
-                # and values so large that the field's float32 RMS would overflow.
-                if not (np.abs(x) <= Q8_ABS_MAX).all():
-                    what = "inf/NaN values" if not np.isfinite(x).all() else \
-                        f"values beyond ±{Q8_ABS_MAX:.0e}"
-                    raise ShapeError(f"{name} has {what}: a {mode.value} layer stores finite rows with |x| <= "
-                                     f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
-                                     f"{KV_COL_WARMUP} rows, would overflow to inf)")
+            self._check_quantized(k if every else k[:, heads], v if every else v[:, heads])
         self._fresh = None
         if mode.tiered:
             self._store_tiered(k, v, heads)
@@ -387,6 +386,18 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             self._store(k[done:done + seg], v[done:done + seg], heads)
             done += seg
         self._remember_fresh(k, v, heads)
+
+    def _check_quantized(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Refuse rows a quantized side cannot store: one comparison refuses
+        NaN (it compares false) as well as inf and values so large that the
+        field's float32 RMS would overflow."""
+        mode = self._st.mode
+        for name, x, q in (("k", k, mode.quant_k), ("v", v, mode.quant_v)):
+            if q and not (np.abs(x) <= Q8_ABS_MAX).all():
+                what = "inf/NaN values" if not np.isfinite(x).all() else f"values beyond ±{Q8_ABS_MAX:.0e}"
+                raise ShapeError(f"{name} has {what}: a {mode.value} layer stores finite rows with |x| <= "
+                                 f"{Q8_ABS_MAX:.0e} only (its 2f field, a float32 RMS over the first "
+                                 f"{KV_COL_WARMUP} rows, would overflow to inf)")
 
     def _check_half(self, k: np.ndarray, v: np.ndarray) -> None:
         """Refuse finite values an f16/bf16 store would round to inf (inf and

@@ -436,6 +436,49 @@ class LayerStorage:
         self.seq_len += 1
         self._touch()
 
+    def window_rows(self) -> bool:
+        """Whether a row appends through :meth:`append_window_row`: a q8
+        (``Q8``, ``Q8K``, ``Q8V``) storage whose heads all hold the same
+        count, a full float16 window and every exact row they keep."""
+        if not self.window or self.mode.tiered:
+            return False
+        lens = self.lens.tolist()
+        at = lens[0]
+        return lens.count(at) == len(lens) and at >= self.exact_cap and \
+            self.b8.tolist().count(at - self.window) == len(lens)
+
+    @_writes
+    def append_window_row(self, k: np.ndarray, v: np.ndarray, quantize) -> None:
+        """One row ``[nkv, hd]`` float32 (in the basis it is stored in) on
+        every head of a :meth:`window_rows` storage, the decode step of a q8
+        layer: on each quantized side the window's oldest row leaves, is
+        quantized by ``quantize(rows, None, group=...)`` (the backend's
+        ``quantize_rows``) into its integer slot, and the new row joins the
+        window. The bits :meth:`push_window`, :meth:`write_quantized`,
+        :meth:`advance_window` and :meth:`append` store for it, in a handful
+        of slice stores; the quantizing comes first, so nothing is written
+        if it fails."""
+        at, p = int(self.lens[0]), int(self.b8[0])
+        sides = (("k", k, self.thk, KV_K_GROUP), ("v", v, self.thv, self.head_dim))
+        codes = {side: quantize(th[:, 0].astype(np.float32), None, group=group)
+                 for side, _, th, group in sides if th is not None}
+        if at >= self.cap or self.seq_len >= self._imp.shape[0]:
+            self.reserve(max(at, self.seq_len) + 1)
+        for side, x, th, _ in sides:
+            if th is None:
+                getattr(self, side)[:, at] = x
+                continue
+            th[:, :-1] = th[:, 1:]
+            th[:, -1] = x
+            q, sc = codes[side]
+            getattr(self, side + "q")[:, p] = q
+            getattr(self, side + "s")[:, p] = sc if side == "k" else sc[:, 0]
+        self.b8 += 1
+        self.lens += 1
+        self._imp[self.seq_len] = 0.0
+        self.seq_len += 1
+        self._touch()
+
     @_writes
     def append(self, rows: dict, heads: np.ndarray, n: int, exact: dict | None = None) -> None:
         """Write ``n`` rows to each of ``heads``: ``rows[name]`` is

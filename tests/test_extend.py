@@ -9,16 +9,22 @@ from kvreg.testing import startable_backends
 
 @pytest.mark.parametrize("mode", list(KvMode))
 @pytest.mark.parametrize("chunks", [(150,), (10, 54, 1, 85), (63, 1, 1, 85), (64, 86)])
-@pytest.mark.parametrize("alive", [[True, False, True], [True, True, True]], ids=["dead-head", "all-alive"])
-def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive):
-    # all-alive: one-row appends past a full float16 window take the storage's decode step
+@pytest.mark.parametrize("alive", [[True, False, True], [True, True, True], None],
+                         ids=["dead-head", "all-alive", "alive-none"])
+@pytest.mark.parametrize("hd", [40, 32], ids=["hd40", "hd32-rotated"])
+@pytest.mark.parametrize("exact_rows", [1, 20], ids=["sink1", "sinks20"])   # 20: past the float16 window
+def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive, hd, exact_rows):
+    # all-alive: one-row appends past a full float16 window take the general
+    # path's one-row window shift; alive None: append's decode hot paths
+    # (LayerStorage.append_row, append_window_row)
     rng = np.random.default_rng(3)
     n = sum(chunks)
-    k = rng.standard_normal((n, 3, 40)).astype(np.float32)
-    v = rng.standard_normal((n, 3, 40)).astype(np.float32)
-    alive = np.array(alive)
-    a = LayerKvCache(3, 40, mode, "reference")
-    b = LayerKvCache(3, 40, mode, "reference")
+    k = rng.standard_normal((n, 3, hd)).astype(np.float32)
+    v = rng.standard_normal((n, 3, hd)).astype(np.float32)
+    if alive is not None:
+        alive = np.array(alive)
+    a = LayerKvCache(3, hd, mode, "reference", q8_exact_rows=exact_rows)
+    b = LayerKvCache(3, hd, mode, "reference", q8_exact_rows=exact_rows)
     for p in range(n):
         a.append(k[p], v[p], alive)
     at = 0
@@ -33,6 +39,11 @@ def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive
             assert np.array_equal(getattr(sa, name)[h, :m], getattr(sb, name)[h, :m]), (name, h)
     assert np.array_equal(sa.kcol_set, sb.kcol_set) and np.array_equal(sa.kcol, sb.kcol)
     assert np.array_equal(sa.vcol, sb.vcol)
+    assert np.array_equal(sa.xlen, sb.xlen) and np.array_equal(sa.imp, sb.imp)
+    for x in ("xk", "xv"):      # the exact (sink) rows
+        if getattr(sa, x) is not None:
+            for h in range(3):
+                assert np.array_equal(getattr(sa, x)[h, :sa.xlen[h]], getattr(sb, x)[h, :sb.xlen[h]]), (x, h)
     if sa.window:   # q8's float16 windows: the newest rows, bit for bit
         assert np.array_equal(sa.b8, sb.b8)
         for t in ("thk", "thv"):
