@@ -317,11 +317,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             if st.window_rows():    # q8/q8k/q8v past the window's first fill
                 self._check_quantized(k, v)
                 self._fresh = None
-                if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
-                    k, v = self.backend.rotate_rows(np.stack((k, v)))
-                else:
-                    k, v = self._basis(st.rot_k, k), self._basis(st.rot_v, v)
-                st.append_window_row(k, v, self.backend.quantize_rows)
+                st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
                 self._seq_len += 1
                 return
         alive = V.alive_mask(alive, nkv)
@@ -434,10 +430,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             if st.window:
                 # q8: the rows join the float16 window; those it pushes out are
                 # quantized from their float16 value (one call per side, every head).
-                if st.rot_k and st.rot_v:   # one transform of both sides (row by row: the same bits)
-                    kh, vh = self.backend.rotate_rows(np.stack((kh, vh)))
-                else:
-                    kh, vh = self._basis(st.rot_k, kh), self._basis(st.rot_v, vh)
+                kh, vh = self._stored_basis(kh, vh)
                 if t:
                     exact = {n_: x[:, :t] for n_, x, q in (("xk", kh, mode.quant_k), ("xv", vh, mode.quant_v)) if q}
                 st.reserve(int(st.lens[heads].max()) + n)
@@ -514,6 +507,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         out = self._rotated_attend(self.backend.attend_group, qv, self._st, kv_head, scale=self.default_scale,
                                    first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
         return out[0], probs
+
+    def _stored_basis(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K and V rows in the basis the storage keeps them in (:meth:`_basis`
+        per side; one transform of both when both rotate: row by row, the
+        same bits)."""
+        st = self._st
+        if st.rot_k and st.rot_v:
+            k, v = self.backend.rotate_rows(np.stack((k, v)))
+            return k, v
+        return self._basis(st.rot_k, k), self._basis(st.rot_v, v)
 
     def _basis(self, rotated: bool, x: np.ndarray) -> np.ndarray:
         """Rows into (or, the transform being its own inverse, out of) the
