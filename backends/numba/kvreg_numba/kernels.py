@@ -174,6 +174,8 @@ def _ir_widen(builder, val, kind):
 _KV_KINDS = (types.float32, types.int16, types.uint16)
 #: What a value row may hold: the K/V kinds and q8's int8 codes.
 _V_KINDS = _KV_KINDS + (types.int8,)
+#: Bytes of an element of each kind of K/V row.
+_ESIZE = {types.float32: 4, types.int16: 2, types.uint16: 2, types.int8: 1}
 
 
 @intrinsic
@@ -202,6 +204,27 @@ def _ir_fma(builder, a, b, c):
     name = f"llvm.fma.v{t.count}f32" if isinstance(t, ir.VectorType) else "llvm.fma.f32"
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t, t, t]), name)
     return builder.call(fn, [a, b, c])
+
+
+def _ir_prefetch(builder, ptr, nbytes):
+    """Prefetch hints for the ``nbytes`` (a Python int, or an IR integer)
+    from ``ptr`` plus :data:`config.PREFETCH_BYTES`, one per 64-byte line.
+    A hint never faults (past an array's end too) and changes no value."""
+    if config.PREFETCH_BYTES <= 0:
+        return
+    i8p = ir.IntType(8).as_pointer()
+    i32 = ir.IntType(32)
+    i64 = ir.IntType(64)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    base = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(i64, config.PREFETCH_BYTES)])
+    hint = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]   # read, keep, data
+    if isinstance(nbytes, int):
+        for o in range(0, nbytes, 64):
+            builder.call(fn, [builder.gep(base, [ir.Constant(i64, o)])] + hint)
+        return
+    with cgutils.for_range_slice(builder, ir.Constant(nbytes.type, 0), nbytes, ir.Constant(nbytes.type, 64)) as (o, _):
+        builder.call(fn, [builder.gep(base, [o])] + hint)
 
 
 def _lane_reduce(builder, xs, ys, ykind=types.float32):
@@ -386,6 +409,7 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
         m = builder.sub(builder.select(builder.icmp_signed("<", end, nr), end, nr), r0)
         with cgutils.for_range(builder, m) as rl:
             r = builder.add(r0, rl.index)
+            _ir_prefetch(builder, _elem_ptr(builder, vb, r, c(0), ir.IntType(8)), builder.mul(hd, c(_ESIZE[vkind])))
             for h in range(4):
                 with builder.if_then(builder.icmp_signed(">", nh, c(h))):
                     w = builder.load(_elem_ptr(builder, E, c(h), builder.add(col, r), f32))
@@ -522,6 +546,44 @@ def _ir_tree_sums(builder, accs):
     return [builder.extract_element(vs[0], ir.Constant(i32, j)) for j in range(len(accs))]
 
 
+def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ksa=None):
+    """IR of :func:`_qk`'s rows for ``nheads`` heads and ``nch`` chunks of
+    a row (hd ``nch * LANES``): ``E[h, col + r] = scale * <q[h], k[r]>``,
+    each K chunk loaded (and widened) once for every head. ``ksa``: q8
+    codes' scales ``[nr, hd / K_GROUP]``, each chunk times its group's scale
+    (one float32 multiply, as :func:`_dequant_k_rows` rounds it) before the
+    dots. The rows ahead are prefetched (:func:`_ir_prefetch`)."""
+    f32 = ir.FloatType()
+    vt = ir.VectorType(f32, LANES)
+    c = lambda x: ir.Constant(nr.type, x)
+    # q's chunks loaded once per QK_SUB rows (kept in registers or spilled
+    # to one stack slot: reloading them through q's strides every row
+    # measured up to 1.4x slower)
+    nsb = builder.sdiv(builder.add(nr, c(QK_SUB - 1)), c(QK_SUB))
+    with cgutils.for_range(builder, nsb) as sbl:
+        r0 = builder.mul(sbl.index, c(QK_SUB))
+        end = builder.add(r0, c(QK_SUB))
+        r1 = builder.select(builder.icmp_signed("<", end, nr), end, nr)
+        qptr = [_elem_ptr(builder, qa, c(h), c(0), vt) for h in range(nheads)]
+        qv = [[builder.load(builder.gep(qptr[h], [c(k)]), align=4) for k in range(nch)] for h in range(nheads)]
+
+        with cgutils.for_range_slice(builder, r0, r1, c(1)) as (r, _):
+            _ir_prefetch(builder, _elem_ptr(builder, kba, r, c(0), ir.IntType(8)), nch * LANES * _ESIZE[kkind])
+            if ksa is not None:
+                _ir_prefetch(builder, _elem_ptr(builder, ksa, r, c(0), ir.IntType(8)), 4)
+            accs = [ir.Constant(vt, [0.0] * LANES)] * nheads
+            for k in range(nch):
+                raw = builder.load(_elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind)), align=1)
+                kv = _ir_widen(builder, raw, kkind)
+                if ksa is not None:
+                    s = builder.load(_elem_ptr(builder, ksa, r, c(k * LANES // K_GROUP), f32))
+                    kv = builder.fmul(kv, _broadcast(builder, s, vt))
+                for h in range(nheads):
+                    accs[h] = _ir_fma(builder, qv[h][k], kv, accs[h])
+            for h, d in enumerate(_ir_tree_sums(builder, accs)):
+                builder.store(builder.fmul(d, scale), _elem_ptr(builder, Ea, c(h), builder.add(col, r), f32))
+
+
 @intrinsic
 def _qk(typingctx, q, E, col, kb, nr, scale):
     """``E[h, col + r] = scale * <q[h], kb[r]>`` for ``r < nr`` and the 1-4
@@ -573,25 +635,7 @@ def _qk(typingctx, q, E, col, kb, nr, scale):
                                   _elem_ptr(builder, Ea, c(h), builder.add(col_, r), f32))
 
         def unrolled(nheads, nch):
-            # q's chunks loaded once per QK_SUB rows (kept in registers or
-            # spilled to one stack slot: reloading them through q's strides
-            # every row measured up to 1.4x slower)
-            nsb = builder.sdiv(builder.add(nr_, c(QK_SUB - 1)), c(QK_SUB))
-            with cgutils.for_range(builder, nsb) as sbl:
-                r0 = builder.mul(sbl.index, c(QK_SUB))
-                end = builder.add(r0, c(QK_SUB))
-                r1 = builder.select(builder.icmp_signed("<", end, nr_), end, nr_)
-                qptr = [_elem_ptr(builder, qa, c(h), c(0), vt) for h in range(nheads)]
-                qv = [[builder.load(builder.gep(qptr[h], [c(k)]), align=4) for k in range(nch)] for h in range(nheads)]
-                with cgutils.for_range_slice(builder, r0, r1, c(1)) as (r, _):
-                    accs = [ir.Constant(vt, [0.0] * LANES)] * nheads
-                    for k in range(nch):
-                        raw = builder.load(_elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind)), align=2)
-                        kv = _ir_widen(builder, raw, kkind)
-                        for h in range(nheads):
-                            accs[h] = _ir_fma(builder, qv[h][k], kv, accs[h])
-                    for h, d in enumerate(_ir_tree_sums(builder, accs)):
-                        builder.store(builder.fmul(d, args[5]), _elem_ptr(builder, Ea, c(h), builder.add(col_, r), f32))
+            _ir_qk_unrolled(builder, qa, Ea, col_, kba, nr_, args[5], nheads, nch, kkind)
 
         nh = builder.extract_value(qa.shape, 0)
         exact = builder.icmp_signed("==", builder.srem(hd, c(LANES)), c(0))
@@ -604,6 +648,35 @@ def _qk(typingctx, q, E, col, kb, nr, scale):
         return context.get_dummy_value()
 
     return types.void(q, E, col, kb, nr, scale), codegen
+
+
+@intrinsic
+def _qk8(typingctx, q, E, col, kq, ks, nr, scale):
+    """:func:`_qk` on q8 K rows read as stored: ``kq [nr, hd]`` int8 codes,
+    ``ks [nr, hd / K_GROUP]`` their scales, each code widened and times its
+    group's scale in registers, the very float32 values
+    :func:`_dequant_k_rows` writes to its buffer, so the same bits as
+    dequantizing and scoring the buffer. hd in ``LANES`` x
+    :data:`QK_CHUNKS` (64, 128), 1-4 heads; the caller checks both."""
+    if not (all(isinstance(a, types.Array) and a.ndim == 2 for a in (q, E, kq, ks))
+            and q.dtype == E.dtype == ks.dtype == types.float32 and kq.dtype == types.int8
+            and scale == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        qa, Ea, kqa, ksa = _arrays(context, builder, [sig.args[i] for i in (0, 1, 3, 4)],
+                                   [args[i] for i in (0, 1, 3, 4)])
+        col_, nr_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 5))
+        c = lambda x: ir.Constant(nr_.type, x)
+        nch = builder.sdiv(builder.extract_value(kqa.shape, 1), c(LANES))
+        nh = builder.extract_value(qa.shape, 0)
+        for k in QK_CHUNKS:
+            with builder.if_then(builder.icmp_signed("==", nch, c(k))):
+                _per_head_count(builder, nh, lambda n, k=k: _ir_qk_unrolled(builder, qa, Ea, col_, kqa, nr_, args[6],
+                                                                           n, k, types.int8, ksa))
+        return context.get_dummy_value()
+
+    return types.void(q, E, col, kq, ks, nr, scale), codegen
 
 
 def _lane_max_nan(builder, x):
@@ -765,6 +838,15 @@ def _scores(qg, row0, nheads, kb, nr, scale, E, col):
         _qk(qg[row0 + h:row0 + h1], E[h:h1], col, kb, nr, scale)
 
 
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _scores8(qg, row0, nheads, kq, ks, nr, scale, E, col):
+    """:func:`_scores` of q8 K rows read as stored (:func:`_qk8`): the same
+    bits as :func:`_dequant_k_rows` then :func:`_scores`."""
+    for h in range(0, nheads, 4):
+        h1 = min(nheads, h + 4)
+        _qk8(qg[row0 + h:row0 + h1], E[h:h1], col, kq, ks, nr, scale)
+
+
 #: No row scales (:func:`_accumulate_q8` on float rows).
 _NO_SCALES = np.empty(0, np.float32)
 
@@ -821,7 +903,19 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     widened in registers; the exact rows still take precedence. A head with
     no window passes ``wb >= n``."""
     hd = qg.shape[1]
-    if kquant:
+    if kquant and hd == ks.shape[2] * K_GROUP and (hd == 4 * LANES or hd == 8 * LANES):
+        # in row order: exact rows [p0, xe), int8 [xe, we), float16 window
+        # [we, p0 + nr); the int8 rows scored as stored (no buffer)
+        end = p0 + nr
+        xe = min(max(xl, p0), end)
+        we = max(min(wb, end), xe)
+        if xe > p0:
+            _scores(qg, row0, nheads, xk[g, p0:xe], xe - p0, scale, E, 0)
+        if we > xe:
+            _scores8(qg, row0, nheads, kq[g, xe:we], ks[g, xe:we], we - xe, scale, E, xe - p0)
+        if end > we:
+            _scores(qg, row0, nheads, thk[g, we - wb:end - wb], end - we, scale, E, we - p0)
+    elif kquant:
         sub = kbuf.shape[0]
         for s0 in range(0, nr, sub):
             m = min(sub, nr - s0)

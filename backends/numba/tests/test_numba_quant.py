@@ -102,3 +102,26 @@ def test_special_values_equal_kvreg_quant():
             qr, sr = quant.quantize_rows(rows, None, group)
         np.testing.assert_array_equal(q, qr)
         np.testing.assert_array_equal(s.view(np.uint32), sr.view(np.uint32))
+
+
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("nheads", [1, 3, 4, 9])
+@pytest.mark.parametrize("nr", [0, 1, 17, 70])
+def test_q8_rows_scored_as_stored_equal_the_dequantized_buffer(hd, nheads, nr):
+    # the decode kernel scores int8 K rows in registers (_scores8); the
+    # same bits as widening them into a float32 buffer first (the path any
+    # other head dim takes), extreme codes and scales included
+    rng = np.random.default_rng(hd + nheads + nr)
+    ngk = hd // K.K_GROUP
+    kq = rng.integers(-127, 128, (2, nr + 3, hd)).astype(np.int8)
+    kq[0, :, 0] = 127
+    kq[0, :, -1] = -127
+    ks = (rng.standard_normal((2, nr + 3, ngk)) * 10.0 ** rng.integers(-30, 30, (2, nr + 3, ngk))).astype(np.float32)
+    q = rng.standard_normal((nheads + 2, hd)).astype(np.float32)
+    want = np.full((nheads, 75), np.nan, np.float32)
+    got = want.copy()
+    buf = np.empty((max(nr, 1), hd), np.float32)
+    K._dequant_k_rows(kq, ks, 1, 2, nr, buf)
+    K._scores(q, 2, nheads, buf, nr, np.float32(0.3), want, 5)
+    K._scores8(q, 2, nheads, kq[1, 2:2 + nr], ks[1, 2:2 + nr], nr, np.float32(0.3), got, 5)
+    assert got.tobytes() == want.tobytes()
