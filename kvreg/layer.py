@@ -589,8 +589,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         if window is not None:
             # A window past every stored row reads them all, as None does:
-            # clamped so no kernel sees a count its integer type cannot hold.
-            window = min(V.positive_int("window", window), max(int(self._st.lens.max(initial=0)), 1))
+            # clamped so no kernel sees a count its integer type cannot hold
+            # (to the capacity, which bounds every head's rows: no reduction
+            # over the counts on every decode call).
+            window = min(V.positive_int("window", window), max(self._st.cap, 1))
         sinks = V.sinks(self._sinks if isinstance(sinks, str) and sinks == "layer" else sinks, nh)
         scale = self.default_scale if scale is None else V.scale(scale)
         imp = self._st.imp if V.flag("importance", importance) else None

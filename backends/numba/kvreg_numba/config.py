@@ -25,8 +25,9 @@ DECODE_BLOCK = 2048
 #: one core (Zen 5, 32/8 heads, hd 128, F32, stream-read probe 36-40 GB/s):
 #: 0.73 / 0.63 of the probe at 4k / 16k rows without, 0.81 / 0.76 at 4 KiB,
 #: 1.03-1.06 / 0.86-0.87 at 8 KiB, 1.03 / 0.78 at 16 KiB, 0.88 / 0.69 at
-#: 32 KiB. A hint: no value depends on it.
-PREFETCH_BYTES = int(os.environ.get("KVREG_PF", "8192"))
+#: 32 KiB. A hint: no value depends on it. Compiled in: a change needs a
+#: fresh compile (``KVREG_NUMBA_CACHE=0`` or a new ``NUMBA_CACHE_DIR``).
+PREFETCH_BYTES = 8192
 
 #: Decode block tasks handed to a thread at a time (dynamic scheduling;
 #: 0 = numba's static split into one chunk per thread).

@@ -354,8 +354,11 @@ WSUM_WINDOW = 4 if _target_has("avx512f") else 2
 #: Accumulators of an unrolled pass (hd in ``LANES`` x :data:`WSUM_CHUNKS`):
 #: as many heads' whole rows as fit, else one head's channels in windows.
 WSUM_ACCS = 4 * WSUM_WINDOW
-#: Chunk counts with an unrolled value pass: hd 64, 128 and 256.
-WSUM_CHUNKS = (4, 8, 16)
+#: Chunk counts with an unrolled value pass: hd 64 and 128. hd 256 runs in
+#: windows of :data:`WSUM_WINDOW` chunks over every head (each row's chunk
+#: loaded once for four heads, not once per head: one thread, 4 heads, 4k
+#: rows, 0.19-0.23 ms against 0.26-0.31 ms unrolled per head).
+WSUM_CHUNKS = (4, 8)
 
 
 def _elem_ptr(builder, arr, i, j, elty):
@@ -463,7 +466,7 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
                 with builder.if_then(builder.icmp_signed("==", rest, c(n))):
                     group(builder.mul(full, c(per)), n)
 
-        # hd 64 / 128 / 256: unrolled; any other hd: windows, then the tail
+        # hd 64 / 128: unrolled; any other hd: windows, then the tail
         exact = builder.icmp_signed("==", builder.srem(hd, c(LANES)), c(0))
         chunks = builder.sdiv(hd, c(LANES))
         built = [builder.and_(exact, builder.icmp_signed("==", chunks, c(k))) for k in WSUM_CHUNKS]
@@ -512,9 +515,14 @@ def _wsum(typingctx, E, col, vb, nr, acc, vsc, vrow0):
 
 #: K rows per load of q's chunks in :func:`_qk`'s unrolled loop.
 QK_SUB = 32
-#: Chunk counts with an unrolled score loop: hd 64 and 128 (hd 256 unrolled,
-#: with three or four heads' q spilled, compiled 9 s slower and ran no faster).
+#: Chunk counts with an unrolled score loop: hd 64 and 128, any 1-4 heads.
 QK_CHUNKS = (4, 8)
+#: The chunk count unrolled for four heads only: hd 256 (Gemma 3's 4 Q / 1 KV
+#: heads), q spilled. With the windowed value pass (:data:`WSUM_CHUNKS`), one
+#: thread, 4 heads, 576 / 4k / 16k rows: 40-43 us / 0.17 ms / 0.92-1.37 ms
+#: against 47-51 us / 0.19-0.23 ms / 1.22-1.37 ms for the per-row loop (three
+#: runs each). For every head count it compiled 18 s slower (three modes).
+QK_WIDE = 16
 
 
 def _ir_tree_sums(builder, accs):
@@ -566,7 +574,6 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
         r1 = builder.select(builder.icmp_signed("<", end, nr), end, nr)
         qptr = [_elem_ptr(builder, qa, c(h), c(0), vt) for h in range(nheads)]
         qv = [[builder.load(builder.gep(qptr[h], [c(k)]), align=4) for k in range(nch)] for h in range(nheads)]
-
         with cgutils.for_range_slice(builder, r0, r1, c(1)) as (r, _):
             _ir_prefetch(builder, _elem_ptr(builder, kba, r, c(0), ir.IntType(8)), nch * LANES * _ESIZE[kkind])
             if ksa is not None:
@@ -643,7 +650,11 @@ def _qk(typingctx, q, E, col, kb, nr, scale):
         for k, cond in zip(QK_CHUNKS, built):
             with builder.if_then(cond):
                 _per_head_count(builder, nh, lambda n, k=k: unrolled(n, k))
-        with builder.if_then(builder.not_(functools.reduce(builder.or_, built))):
+        wide = builder.and_(builder.and_(exact, builder.icmp_signed("==", nch, c(QK_WIDE))),
+                            builder.icmp_signed("==", nh, c(4)))
+        with builder.if_then(wide):
+            unrolled(4, QK_WIDE)
+        with builder.if_then(builder.not_(functools.reduce(builder.or_, built + [wide]))):
             _per_head_count(builder, nh, rows)
         return context.get_dummy_value()
 
@@ -798,8 +809,9 @@ def _dequant_k_rows(kq, ks, g, p0, nr, buf):
                     b4[3 * K_GROUP + d] = np.float32(a4[3 * K_GROUP + d]) * s3
         return
     if hd == ngk * K_GROUP and ngk % 2 == 0:
-        # hd = 64, 192, ...: the same, two groups per loop (SmolLM2's hd 64:
-        # q8 decode of 4k rows 351 against 429 us through the loop below)
+        # hd = 192, 320, ...: the same, two groups per loop (at hd 64, before
+        # it was scored as stored: q8 decode of 4k rows 351 against 429 us
+        # through the loop below)
         for r in range(nr):
             a = src[p0 + r]
             b = buf[r]
@@ -894,8 +906,9 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
     heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
     in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8
-    K rows are dequantized ``SUB_ROWS`` at a time into ``kbuf`` (L1-sized) and
-    scored four heads per loaded row; q8 V rows are read as int8 by
+    K rows of hd 64 and 128 are scored as stored (:func:`_scores8`); of any
+    other hd dequantized ``SUB_ROWS`` at a time into ``kbuf`` (L1-sized) and
+    scored four heads per loaded row (the same bits); q8 V rows are read as int8 by
     :func:`_accumulate_q8` (``vbuf`` is unused, empty). Rows ``< xl`` are the
     head's exact rows: their float32 copies ``xk``/``xv`` (field space) stand
     in for the int8 ones. Rows ``>= wb`` of a q8 side are its float16 window
@@ -903,7 +916,7 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     widened in registers; the exact rows still take precedence. A head with
     no window passes ``wb >= n``."""
     hd = qg.shape[1]
-    if kquant and hd == ks.shape[2] * K_GROUP and (hd == 4 * LANES or hd == 8 * LANES):
+    if kquant and hd == ks.shape[2] * K_GROUP and (hd == 4 * LANES or hd == 8 * LANES):   # QK_CHUNKS
         # in row order: exact rows [p0, xe), int8 [xe, we), float16 window
         # [we, p0 + nr); the int8 rows scored as stored (no buffer)
         end = p0 + nr
