@@ -84,6 +84,23 @@ def test_grouped_equals_each_head_alone(small_blocks, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("hd", [64, 128, 256])
+def test_the_unrolled_head_dims_answer_the_oracle_and_each_head_alone(small_blocks, mode, hd):
+    # four heads at hd 64 / 128 / 256 take the unrolled score passes (hd 256
+    # for four heads only) and, at 256, the windowed value pass; one head
+    # alone takes the per-row loop: the same bits, and the oracle's answer
+    st, lens, k64, v64 = make_layer(mode, hd=hd)
+    q = qs(4, hd)
+    imp = np.zeros(53, np.float32)
+    out = K.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
+    o64, p64 = attend_oracle(q, k64[0], v64[0], scale=0.1, first=0, n=53, softcap=0.0, sinks=None)
+    np.testing.assert_allclose(out, o64, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(imp, p64.sum(axis=0), rtol=RTOL, atol=ATOL)
+    for h in range(4):
+        assert_bits(out[h:h + 1], K.attend_group(q[h:h + 1], 0, lens, scale=0.1, **st))
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("window", [0, 6, 30])
 def test_layer_equals_group_calls(small_blocks, mode, window):
     st, lens, _, _ = make_layer(mode, nkv=3, lens=(53, 0, 29))  # head 1 is dead
