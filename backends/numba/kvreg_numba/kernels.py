@@ -916,7 +916,7 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     widened in registers; the exact rows still take precedence. A head with
     no window passes ``wb >= n``."""
     hd = qg.shape[1]
-    if kquant and hd == ks.shape[2] * K_GROUP and (hd == 4 * LANES or hd == 8 * LANES):   # QK_CHUNKS
+    if kquant and hd == ks.shape[2] * K_GROUP and hd % LANES == 0 and hd // LANES in QK_CHUNKS:
         # in row order: exact rows [p0, xe), int8 [xe, we), float16 window
         # [we, p0 + nr); the int8 rows scored as stored (no buffer)
         end = p0 + nr
