@@ -51,6 +51,8 @@ from .plugin import KV_ARRAYS, KV_COUNTS, KvView, readonly
 from .quant import dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled, rotates, to_half
 
 _GEN = itertools.count(1)
+# view() spells an unquantized storage's counts out in this order
+assert KV_COUNTS == ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set")
 
 
 def next_generation() -> int:
@@ -71,12 +73,16 @@ class _Rows:
     """The identity of a set of row arrays, and the storages holding them
     (more than one after :meth:`LayerStorage.fork`). Views name it as their
     ``owner``: forks at one version read the same rows, so a device mirror
-    keyed on it serves them all."""
+    keyed on it serves them all. ``memo`` is a backend's to keep what it
+    derives from the arrays alone (a kernel's argument tuple); the storage
+    drops it whenever it replaces an array, and a backend checks it against
+    an array of the view it reads (identity), so a stale memo is never used."""
 
-    __slots__ = ("holders", "__weakref__")
+    __slots__ = ("holders", "memo", "__weakref__")
 
     def __init__(self, holder: "LayerStorage"):
         self.holders = weakref.WeakSet([holder])
+        self.memo = None
 
 
 def _writes(method):
@@ -125,6 +131,7 @@ class LayerStorage:
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=_FLOOR_LOG)
         self._view: KvView | None = None
         self._blocks: tuple | None = None  # the view's fields up to its arrays (None: rebuild)
+        self._still: tuple | None = None   # an unquantized view's frozen xlen, kcol_set, vcol_set (None: rebuild)
         self._rows = _Rows(self)
         self._snap: _snapshot.Snapshot | None = None   # the snapshot its row blocks map (forks)
         self.b8 = self.b4 = None
@@ -189,7 +196,17 @@ class LayerStorage:
         if self._blocks is None:  # arrays (re)allocated since the last view
             self._blocks = (self._rows, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
                             self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
-        counts = tuple([None if (a := getattr(self, n)) is None else _frozen(a) for n in KV_COUNTS])
+        if self.mode.quantized:
+            counts = tuple([None if (a := getattr(self, n)) is None else _frozen(a) for n in KV_COUNTS])
+        else:
+            # Unquantized rows have no exact rows, q8 field or window: of the
+            # counts only lens moves, so a decode's view copies that alone
+            # (each numpy call costs ~10 µs inside a model, whose matmuls evict
+            # the interpreter's working set between layers).
+            still = self._still
+            if still is None:
+                still = self._still = (_frozen(self.xlen), _frozen(self.kcol_set), _frozen(self.vcol_set))
+            counts = (_frozen(self.lens), still[0], None, None, still[1], still[2])
         v = self._view = KvView._make(self._blocks + counts + (self.version, self.reset_version, self._log_start,
                                                                tuple(self._floors)))
         return v
@@ -273,7 +290,8 @@ class LayerStorage:
             setattr(self, name, a)
         self.cap = snap.specs[0][2][1]
         self._snap = snap
-        self._blocks = self._view = None
+        self._blocks = self._view = self._still = None
+        self._rows.memo = None
 
     def shared_block_bytes(self) -> int:
         """Bytes of stored rows this storage shares with forks: all of them
@@ -319,13 +337,15 @@ class LayerStorage:
         """Every mutation: a new version (``arrays``: an array was replaced)."""
         self.version = next_generation()
         if arrays:
-            self._blocks = None
+            self._blocks = self._still = None
+            self._rows.memo = None
 
     def _rewritten(self) -> None:
         """A mutation a copy cannot follow by row counts: every row may differ."""
         self._touch()
         self.reset_version = self.version
         self._floors.clear()
+        self._still = None
 
     def _truncated(self) -> None:
         """Rows past ``lens`` (now) may be rewritten: logged for mirrors."""
@@ -417,6 +437,8 @@ class LayerStorage:
         storage whose heads all hold the same count (:meth:`append_row`)."""
         if self.mode.quantized:
             return False
+        if self.num_kv_heads == 1:
+            return True
         lens = self.lens.tolist()
         return lens.count(lens[0]) == len(lens)
 
@@ -424,14 +446,15 @@ class LayerStorage:
     def append_row(self, k: np.ndarray, v: np.ndarray) -> None:
         """One row ``[nkv, hd]`` float32 on every head of a :meth:`plain_rows`
         storage: the bits :meth:`append` stores for it."""
-        at = int(self.lens[0])
+        lens = self.lens
+        at = lens.item(0)
         if at >= self.cap or self.seq_len >= self._imp.shape[0]:
             self.reserve(max(at, self.seq_len) + 1)
         if self.mode.half:
             k, v = to_half(k, self.mode.float_dtype), to_half(v, self.mode.float_dtype)
         self.k[:, at] = k
         self.v[:, at] = v
-        self.lens += 1
+        lens.fill(at + 1)   # every head held ``at`` (plain_rows): a fill, not a ufunc call
         self._imp[self.seq_len] = 0.0
         self.seq_len += 1
         self._touch()

@@ -575,8 +575,10 @@ class KvregCache(Cache):
 
 
 def _host(t) -> np.ndarray:
-    """A CPU tensor's float32 values as numpy: a view of a float32 one."""
-    t = t.detach()
+    """A CPU tensor's float32 values as numpy: a view of a float32 one (no
+    ``detach`` call under ``no_grad``: each torch call costs inside a model)."""
+    if t.requires_grad:
+        t = t.detach()
     return (t if t.dtype == torch.float32 else t.to(torch.float32)).numpy()
 
 

@@ -68,6 +68,46 @@ def _storage_args(kv) -> dict:
     )
 
 
+def _layer_args(k, kv) -> tuple[tuple, int]:
+    """The decode kernel's storage arguments for ``kv`` (a :class:`kvreg.KvView`
+    or a storage): ``(kernels._kv_args tuple, bytes of K and V per
+    channel)``. The arrays' part is kept on the view's ``owner`` (the
+    identity of the row arrays: ``memo``, which the storage clears whenever
+    it replaces an array), checked against the K block itself, so a decode
+    step makes no numpy call for it; the per-head counts come from ``kv``
+    (they change with every version)."""
+    anchor = kv.kq if kv.k is None else kv.k
+    owner = getattr(kv, "owner", None)
+    memo = getattr(owner, "memo", None)
+    if memo is None or memo[0] is not anchor:
+        a = _storage_args(kv)
+        for name in ("kcol_set", "vcol_set", "xlen", "b8"):   # counts: spliced in per call
+            if a[name] is not None:
+                a[name] = kv.lens[:0]
+        args = k._kv_args(**a)
+        elem = (1 if a["k"] is None else args[0].dtype.itemsize) + (1 if a["v"] is None else args[5].dtype.itemsize)
+        memo = (anchor, args, elem, tuple(n for n in ("kcol_set", "vcol_set", "xlen", "b8") if a[n] is not None))
+        if hasattr(owner, "memo"):
+            owner.memo = memo
+    args, counts = memo[1], memo[3]
+    if counts:
+        args = list(args)
+        for name in counts:
+            args[_KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
+        args = tuple(args)
+    return args, memo[2]
+
+
+#: Where each per-head count sits in :func:`kvreg_numba.kernels._kv_args`' tuple.
+_KV_COUNT_AT = {"kcol_set": 4, "vcol_set": 9, "xlen": 14, "b8": 17}
+
+
+def _count(name, a):
+    """A per-head count as ``_kv_args`` passes it (a view's frozen arrays already are)."""
+    dtype = np.bool_ if name.endswith("_set") else np.int64
+    return a if a.dtype == dtype and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=dtype)
+
+
 #: The view fields a batch row holds, per K/V quantization (the arrays
 #: :func:`kvreg_numba.kernels.batch_arrays` takes, in its order).
 def _row_fields(quant_k: bool, quant_v: bool) -> tuple[str, ...]:
@@ -200,10 +240,9 @@ class NumbaBackend(ReferenceBackend):
             return super().attend_layer(q, kv, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if kv.cap == 0:
             return np.zeros_like(q)
-        return self._k.attend_layer(
-            q, kv.lens, window=int(window or 0), scale=scale, softcap=softcap or 0.0,
-            sinks=sinks, imp=imp, **_storage_args(kv),
-        )
+        args, elem = _layer_args(self._k, kv)
+        return self._k.attend_kv(q, self._k.frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
+                                 softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

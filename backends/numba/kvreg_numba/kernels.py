@@ -1091,17 +1091,39 @@ def _imp_chunk(imp, a0, a1, firsts, ns, tstart, i0, ngr, hpk, block, E, coef):
                 p = seg_end
 
 
+
+@njit(nogil=True, cache=_CACHE)
+def _visible(firsts, ns, window, upto):
+    """:func:`attend_groups`' visible rows ``[f, n)`` per group: ``n =
+    min(ns, upto)`` (``upto`` < 0: none), ``f = max(firsts, n - window)``
+    (``window`` 0: none) clamped below ``n`` (:func:`plan_sizes` in Python)."""
+    ng = ns.shape[0]
+    fs = np.empty(ng, np.int64)
+    out = np.empty(ng, np.int64)
+    for i in range(ng):
+        n = ns[i] if upto < 0 else min(ns[i], upto)
+        f = firsts[i]
+        if window > 0:
+            f = max(f, n - window)
+        fs[i] = min(f, max(n - 1, 0))
+        out[i] = n
+    return fs, out
+
+
 @njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                   vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
-                  scale, softcap, sinks, block, imp, out, scratch):
+                  scale, softcap, sinks, block, window, upto, imp, out, scratch):
     """Decode attention of the KV groups ``gids`` (the layer entry passes all
     of them, the per-group entry one): the only attention routine, so a
     layer call and per-group calls run the same arithmetic.
 
     ``q``/``out``: ``[len(gids) * hpk, hd]`` (group i owns rows
-    ``[i*hpk, (i+1)*hpk)``); ``firsts``/``ns``: visible rows ``[first, n)``
-    per listed group (already clamped, ``n == 0`` gives zeros); ``sinks``:
+    ``[i*hpk, (i+1)*hpk)``); ``firsts``/``ns``: rows ``[first, n)`` per
+    listed group (read-only arrays: the layer entry passes its row counts and
+    shared zeros), narrowed here to the visible rows: ``n = min(n, upto)``
+    (``upto`` < 0: none), ``first = max(first, n - window)`` (``window`` 0:
+    none), ``first <= n - 1`` (``n == 0`` gives zeros); ``sinks``:
     one logit per q row or empty; ``xk``/``xv``/``xlen``: the q8 exact rows
     (``xlen`` empty = none); ``thk``/``thv``/``b8``: the q8 float16 windows
     (int16 bits of ``[nkv, window, hd]``) and their bounds (``b8`` empty =
@@ -1129,12 +1151,16 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                 else:
                     qc[row, d] = q[row, d]
 
-    # The task list: one task per (group, block), block 0 starting at first.
+    # The visible rows, then the task list: one task per (group, block),
+    # block 0 starting at first.
+    fs, ns = _visible(firsts, ns, window, upto)
     spans = np.empty(ngr, np.int64)
     for i in range(ngr):
-        spans[i] = ns[i] - firsts[i] if ns[i] > 0 else 0
+        spans[i] = ns[i] - fs[i] if ns[i] > 0 else 0
     tstart, tgroup = task_grid(spans, block)
     ntask = tstart[ngr]
+    if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
+        raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
 
     # the blocks' partial states, then the merge's per-block coefficients
     E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
@@ -1145,7 +1171,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     for t in prange(ntask):
         i = tgroup[t]
         b = t - tstart[i]
-        p0 = firsts[i] + b * block
+        p0 = fs[i] + b * block
         nr = min(block, ns[i] - p0)
         kbuf = np.empty((bk, hd), np.float32)
         vbuf = np.empty((bv, hd), np.float32)
@@ -1172,7 +1198,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     if ni > 0:
         nchunk = (ni + block - 1) // block
         for c in prange(nchunk):
-            _imp_chunk(imp, c * block, min(c * block + block, ni), firsts, ns, tstart, 0, ngr, hpk, block,
+            _imp_chunk(imp, c * block, min(c * block + block, ni), fs, ns, tstart, 0, ngr, hpk, block,
                        E, coef)
 
 
@@ -1697,47 +1723,69 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     ``r - b8[g]`` (None = no window); ``window`` 0 = none, else per group
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
     """
-    q = np.ascontiguousarray(q, dtype=np.float32)
-    lens = np.asarray(lens, dtype=np.int64)
-    nkv = lens.shape[0]
+    kv = _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8)
+    elem = (1 if k is None else kv[0].dtype.itemsize) + (1 if v is None else kv[5].dtype.itemsize)
+    return attend_kv(q, frozen_counts(lens), kv, elem, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                     imp=imp, upto=upto, block=block, out=out)
+
+
+def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, imp=None, upto=None, block=None,
+              out=None):
+    """:func:`attend_layer` on the kernel's storage arguments ``kv`` (a
+    :func:`_kv_args` tuple, which a backend may keep per allocation: see
+    :func:`kvreg_numba.backend._layer_args`) with ``elem`` bytes of K and V
+    per channel of a row; ``lens`` read-only int64 (:func:`frozen_counts`).
+    The decode entry: the plan is a few Python integers (Python's arithmetic
+    on ``lens.tolist()``; the kernel narrows the rows itself), so a call makes
+    one numba dispatch. Each numpy or numba call counts inside a model,
+    whose matmuls evict the interpreter's working set between layers:
+    measured with the caches flushed before each call, ~10 µs a numpy
+    call and ~30 µs the dispatch of the plan this replaced."""
+    q = q if type(q) is np.ndarray and q.dtype == np.float32 and q.flags.c_contiguous \
+        else np.ascontiguousarray(q, dtype=np.float32)
     nh, hd = q.shape
+    nkv = lens.shape[0]
     hpk = nh // nkv
     if out is None:
         out = np.empty((nh, hd), np.float32)
     block = int(block or config.DECODE_BLOCK)
-    elem = (1 if k is None else k.dtype.itemsize) + (1 if v is None else v.dtype.itemsize)
-    firsts, n, nbytes, nfloats = _decode_plan(lens, -1 if upto is None else int(upto), int(window), block, hpk, hd,
-                                              elem)
-    _run(nbytes, q, hpk, _group_ids(nkv), firsts, n,
-         *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
-         np.float32(scale), np.float32(softcap), _sinks(sinks), block, _imp(imp), out, _scratch(nfloats))
+    window, upto = int(window), -1 if upto is None else int(upto)
+    nbytes, nfloats = plan_sizes(lens.tolist(), window, upto, block, hpk, hd, elem)
+    _run(nbytes, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv, np.float32(scale), np.float32(softcap),
+         _sinks(sinks), block, window, upto, _imp(imp), out, _scratch(nfloats))
     return out
 
 
-@njit(nogil=True, cache=_CACHE)
-def _decode_plan(lens, upto, window, block, hpk, hd, elem_bytes):
-    """:func:`attend_layer`'s visible rows per group, ``first = max(0, n -
-    window)`` (``window`` 0: none) clamped below ``n``, ``n = min(lens,
-    upto)`` (``upto`` < 0: none), with the bytes of K/V rows the call reads
-    (``elem_bytes`` per channel of a row, K and V) and the scratch floats
-    :func:`attend_groups` needs (:func:`scratch_floats`): one dispatch in
-    place of a dozen numpy calls on arrays of a few elements (~10 us a
-    decode call)."""
-    nkv = lens.shape[0]
-    firsts = np.empty(nkv, np.int64)
-    ns = np.empty(nkv, np.int64)
-    rows = 0
-    ntask = 0
-    for g in range(nkv):
-        n = lens[g] if upto < 0 else min(lens[g], upto)
-        f = max(n - window, 0) if window > 0 else 0
-        f = min(f, max(n - 1, 0))
-        firsts[g] = f
-        ns[g] = n
+def plan_sizes(lens, window, upto, block, hpk, hd, elem_bytes):
+    """The bytes of K/V rows a decode over the row counts ``lens`` (a list)
+    reads (``elem_bytes`` per channel of a row, K and V) and the scratch
+    floats :func:`attend_groups` needs, for the rows it sees: ``[max(0, n -
+    window), n)``, ``n = min(lens[g], upto)`` (:func:`_visible`)."""
+    rows = ntask = 0
+    for n in lens:
+        if 0 <= upto < n:
+            n = upto
         if n > 0:
-            rows += n - f
-            ntask += (n - f + block - 1) // block
-    return firsts, ns, rows * hd * elem_bytes, ntask * hpk * (block + 3 + hd)
+            seen = window if 0 < window < n else n
+            rows += seen
+            ntask += (seen + block - 1) // block
+    return rows * hd * elem_bytes, ntask * hpk * (block + 3 + hd)
+
+
+def frozen_counts(a):
+    """Per-head counts as :func:`attend_groups` takes them: a read-only
+    int64 array (a :class:`kvreg.KvView`'s own counts pass as they are; one
+    compiled kernel for every caller)."""
+    a = np.asarray(a, dtype=np.int64)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(nkv):
+    return frozen_counts(np.zeros(nkv, np.int64))
 
 
 @functools.lru_cache(maxsize=64)
@@ -1759,13 +1807,13 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     f = min(int(first), max(n - 1, 0))
     if out is None:
         out = np.empty((nheads, hd), np.float32)
-    firsts = np.array([f], np.int64)
-    ns = np.array([n], np.int64)
+    firsts = frozen_counts(np.array([f], np.int64))
+    ns = frozen_counts(np.array([n], np.int64))
     block = int(block or config.DECODE_BLOCK)
     _run(_rows_bytes(firsts, ns, hd, k, v), q_group, nheads, np.array([g], np.int64), firsts, ns,
                   *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
                   np.float32(scale), np.float32(softcap), _sinks(sinks),
-                  block, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
+                  block, 0, -1, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
     return out
 
 
