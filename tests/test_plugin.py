@@ -93,6 +93,44 @@ def test_a_view_is_immutable_and_its_arrays_read_only():
     assert c.storage.view() is v, "one view per version"
 
 
+@pytest.mark.parametrize("mode", ["f32", "f16", "q8", "q8_2f"])
+def test_every_view_holds_the_counts_at_its_version(mode):
+    """A view's counts equal the storage's at its version, whatever moved
+    them (an unquantized view keeps the counts that cannot move between
+    views; the test holds it to every mutation that rewrites them)."""
+    c = kvreg.LayerKvCache(2, 8, mode, backend="reference")
+    views = []
+
+    def check():
+        st = c.storage
+        v = st.view()
+        for name in ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set"):
+            a, b = getattr(st, name), getattr(v, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert np.array_equal(a, b) and not b.flags.writeable, name
+        views.append((v, {n: None if getattr(v, n) is None else getattr(v, n).copy()
+                          for n in ("lens", "xlen", "kcol_set", "vcol_set")}))
+
+    c.extend(rows(70), rows(70))      # q8_2f's field freezes at 64 rows
+    check()
+    c.append(rows(1)[0], rows(1)[0])
+    check()
+    c.append(rows(1)[0], rows(1)[0], alive=[True, False])
+    check()
+    c.truncate_last(3)
+    check()
+    c.evict(20)
+    check()
+    c.clear()
+    check()
+    c.extend(rows(3), rows(3))
+    check()
+    for v, counts in views:           # each view kept the counts of its own version
+        for name, want in counts.items():
+            assert want is None or np.array_equal(getattr(v, name), want), name
+
+
 class Writer(ReferenceBackend):
     name = "writer_test"
 

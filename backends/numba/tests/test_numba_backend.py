@@ -62,3 +62,56 @@ def test_attend_chunk_agrees_with_the_reference():
         orf = r.attend_chunk(q, b, s0, hpk, window=window)
         np.testing.assert_allclose(oa, orf, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(a._st.imp, r._st.imp, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_the_kept_kernel_arguments_follow_every_reallocation_and_fork(mode):
+    """The decode kernel's storage arguments are kept on the rows' owner
+    between calls: a reallocation (growth past the capacity, a fork's first
+    write) must never be read through the old arrays, and drops them."""
+    rng = np.random.default_rng(4)
+    a, r = _layers(mode, rows=30)
+    q = rng.standard_normal((8, 64)).astype(np.float32)
+    owner = a._st.view().owner
+    np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
+    view = a._st.view()
+    assert owner.memo is not None and owner.memo[0] is (view.kq if mode == "q8" else view.k)
+    fork = a.fork()
+
+    def append_one():
+        k = rng.standard_normal((2, 64)).astype(np.float32)
+        v = rng.standard_normal((2, 64)).astype(np.float32)
+        a.append(k, v)
+        r.append(k, v)
+
+    append_one()                     # the fork's first write: a copies the rows
+    np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
+    assert a._st._rows.memo is not None
+    cap = a._st.cap
+    while a._st.cap == cap:          # past the capacity: new arrays
+        append_one()
+    assert a._st._rows.memo is None  # dropped with the old arrays
+    np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
+    # the fork kept the 30 rows and reads its own
+    r30, _ = _layers(mode, rows=30)
+    np.testing.assert_array_equal(fork.attend_layer(q), r30.attend_layer(q))
+
+
+def test_the_decode_kernel_refuses_a_scratch_too_small_for_its_rows():
+    from kvreg_numba import kernels as K
+
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 100, 64)).astype(np.float32)
+    lens = K.frozen_counts(np.array([100]))
+    args = K._kv_args(k, None, None, None, None, k, None, None, None, None, None, None, None)
+    _, need = K.plan_sizes([100], 0, -1, 16, 4, 64, 8)
+    q = np.ones((4, 64), np.float32)
+    call = lambda scratch, window: K.attend_groups(  # noqa: E731
+        q, 4, np.arange(1, dtype=np.int64), K._zeros(1), lens, *args, np.float32(0.1), np.float32(0),
+        np.empty(0, np.float32), 16, window, -1, np.empty(0, np.float32), np.empty((4, 64), np.float32), scratch)
+    with pytest.raises(ValueError, match="scratch"):
+        call(np.empty(need - 1, np.float32), 0)
+    call(np.empty(need, np.float32), 0)
+    _, narrow = K.plan_sizes([100], 20, -1, 16, 4, 64, 8)   # a window needs less: sized by the visible rows
+    assert narrow < need
+    call(np.empty(narrow, np.float32), 20)
