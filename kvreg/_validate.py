@@ -73,9 +73,12 @@ def integer(name: str, x, lo: int = 0, hi: int = MAX_INT, what: str | None = Non
     (a ``np.uint8`` must not wrap at 256 inside the layer), bools refused.
     Every integer argument goes through here, and methods compute with the
     returned int only."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
+    if type(x) is int:       # the common case, before the ABC checks (bool is not int's type)
+        v = x
+    elif isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Integral, np.integer)):
         raise ShapeError(f"{name} must be {what or f'an integer in [{lo}, {hi}]'}, got {x!r}")
-    v = operator.index(x)
+    else:
+        v = operator.index(x)
     if not lo <= v <= hi:
         bound = "2**53 (positions float64 resolves)" if hi == MAX_POSITION else (
             "2**63-1" if hi == MAX_INT else str(hi))
@@ -98,6 +101,8 @@ def position(name: str, x) -> int:
 
 def flag(name: str, x) -> bool:
     """A boolean option: ``bool``/``np.bool_``, or an integer 0 or 1."""
+    if x is True or x is False:
+        return x
     if isinstance(x, (bool, np.bool_)):
         return bool(x)
     if isinstance(x, (numbers.Integral, np.integer)) and operator.index(x) in (0, 1):

@@ -473,11 +473,19 @@ class KvregCache(Cache):
         scale = None if scaling is None else float(scaling)
         if q_len == 1 and bsz == 1 and self._new_column(mask):
             # A decode step of one sequence (every layer, every token): numpy
-            # views of the states, no mask ops past the first layer's.
+            # views of the states, no mask ops past the first layer's, and
+            # for a plain layer the two layer calls themselves (each torch,
+            # numpy or Python call here costs several µs inside the model).
             layer = self._seqs[0].layers[layer_idx]
-            out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0], _host(value)[0],
-                                        scale, window)
-            out = torch.from_numpy(out).unsqueeze(0)
+            if layer.lifecycle is Lifecycle.PLAIN and self.o1 is None and not isinstance(self.policy, Born):
+                layer.append(_host(key)[0, :, 0], _host(value)[0, :, 0])
+                out = layer.attend_layer(_host(query)[0, :, 0], scale=scale, window=window,
+                                         importance=False).reshape(1, 1, nh, hd)
+                self._bound(layer, window)
+            else:
+                out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],
+                                            _host(value)[0], scale, window)[None]
+            out = torch.from_numpy(out)
             return (out if query.dtype == torch.float32 else out.to(query.dtype)), None
         with torch.no_grad():
             q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
