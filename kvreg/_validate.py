@@ -293,13 +293,24 @@ _F32_MAX = float(np.finfo(np.float32).max)
 def scale(x) -> np.float32:
     """A positive score scale, finite in float32: the kernels multiply in
     float32, so 1e39 would become inf (and every score NaN), 1e-50 zero."""
+    if type(x) is float:     # a float (every decode call): the scalar made once
+        s = _SCALES.get(x)
+        if s is not None:
+            return s
     want = "a positive number, finite and non-zero in float32"
-    f = x if type(x) is float else _real("scale", x, want)   # a float (every decode call): no ABC checks
+    f = x if type(x) is float else _real("scale", x, want)   # a float: no ABC checks
     # compared in Python first (no float32 overflow, no errstate: this runs per decode call)
     s = np.float32(f) if 0.0 < f <= _F32_MAX else np.float32(0.0)
     if not s > 0:
         raise ShapeError(f"scale must be {want}, got {x!r}")
+    if type(x) is float and len(_SCALES) < 256:
+        _SCALES[x] = s
     return s
+
+
+#: float -> its checked float32 scale: a model has a few (numpy scalars cost
+#: ~20 µs each inside a model, caches flushed).
+_SCALES: dict[float, np.float32] = {}
 
 
 def softcap(x) -> float:

@@ -1751,8 +1751,10 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     block = int(block or config.DECODE_BLOCK)
     window, upto = int(window), -1 if upto is None else int(upto)
     nbytes, nfloats = plan_sizes(lens.tolist(), window, upto, block, hpk, hd, elem)
-    _run(nbytes, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv, np.float32(scale), np.float32(softcap),
-         _sinks(sinks), block, window, upto, _imp(imp), out, _scratch(nfloats))
+    _run(nbytes, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
+         scale if type(scale) is np.float32 else np.float32(scale),
+         _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, upto, _imp(imp), out,
+         _scratch(nfloats))
     return out
 
 
