@@ -147,19 +147,27 @@ def fwht(x: np.ndarray) -> np.ndarray:
     of two): Sylvester's ``H / sqrt(hd)``, which is symmetric and its own
     inverse. Butterflies in a fixed order, elementwise float32 (no BLAS), so
     the bits do not depend on threads or call history. Returns a new array."""
-    x = np.array(x, dtype=np.float32, copy=True)
-    hd = x.shape[-1]
-    lead = x.shape[:-1]
+    x = np.asarray(x, dtype=np.float32)
+    shape, hd = x.shape, x.shape[-1]
+    n = x.size // hd if hd else 0
+    if n == 0:
+        return x.copy()
+    # Channel-major [hd, n] between two buffers: a stage's butterflies are
+    # then whole rows (inner loops of h*n, not h, elements): 2 ufunc calls a
+    # stage, the same elementwise float32 ops as the per-row form.
+    src = x.reshape(n, hd).T.copy()
+    dst = np.empty_like(src)
     h = 1
     while h < hd:
-        y = x.reshape(*lead, hd // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        s, d = a + b, a - b
-        y[..., 0, :] = s
-        y[..., 1, :] = d
+        a = src.reshape(hd // (2 * h), 2, h * n)
+        b = dst.reshape(hd // (2 * h), 2, h * n)
+        np.add(a[:, 0], a[:, 1], out=b[:, 0])
+        np.subtract(a[:, 0], a[:, 1], out=b[:, 1])
+        src, dst = dst, src
         h *= 2
-    x *= np.float32(1.0 / np.sqrt(hd))
-    return x
+    out = dst.reshape(n, hd)
+    np.multiply(src.T, np.float32(1.0 / np.sqrt(hd)), out=out)
+    return out.reshape(shape)
 
 
 def quantize_half_scaled(x: np.ndarray, group: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
