@@ -304,11 +304,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         k = V.rows("k", k, nkv, hd)
         v = V.rows("v", v, nkv, hd)
         st = self._st
-        if alive is None and self._lifecycle is Lifecycle.PLAIN and self.pos_len < V.MAX_POSITION:
+        if alive is None and self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
             # The decode hot paths (every head alive and level): what _extend
             # does for one such row, without its general machinery.
             if st.plain_rows():     # F32/f16/bf16
-                if st.mode.half:
+                if st._half:
                     self._check_half(k, v)
                 self._fresh = None
                 st.append_row(k, v)
@@ -575,10 +575,16 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         """
         q = V.heads("q_all", q_all, self.head_dim)
         args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
-        if self._lifecycle is Lifecycle.SEALED:
+        life = self._lifecycle
+        if life is Lifecycle.SEALED:
             return self._o1_auto_attend(q)
-        out = self._rotated_attend(self.backend.attend_layer, q, self._st, **args)
-        self._o1_record(q)
+        st = self._st
+        if st.rot_k or st.rot_v:
+            out = self._rotated_attend(self.backend.attend_layer, q, st, **args)
+        else:
+            out = self.backend.attend_layer(q, st.view(), **args)
+        if life is Lifecycle.COLLECTING:
+            self._o1_record(q)
         return out
 
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:

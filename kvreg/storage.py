@@ -78,11 +78,18 @@ class _Rows:
     drops it whenever it replaces an array, and a backend checks it against
     an array of the view it reads (identity), so a stale memo is never used."""
 
-    __slots__ = ("holders", "memo", "__weakref__")
+    __slots__ = ("holders", "memo", "shared", "__weakref__")
 
     def __init__(self, holder: "LayerStorage"):
         self.holders = weakref.WeakSet([holder])
         self.memo = None
+        #: Whether a second holder ever joined: until then a write needs no
+        #: look at the WeakSet (whose len is Python code, on every append).
+        self.shared = False
+
+    def join(self, holder: "LayerStorage") -> None:
+        self.holders.add(holder)
+        self.shared = True
 
 
 def _writes(method):
@@ -90,7 +97,7 @@ def _writes(method):
     first (copy on write), so the fork keeps its bits."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if len(self._rows.holders) > 1:
+        if self._rows.shared and len(self._rows.holders) > 1:
             self._own()
         return method(self, *args, **kwargs)
     return wrapper
@@ -109,6 +116,8 @@ class LayerStorage:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.mode = mode
+        # the mode's flags the per-row paths read (a storage's mode never changes)
+        self._quantized, self._half = mode.quantized, mode.half
         self.ngk = num_groups(head_dim, KV_K_GROUP)
         self.cap = 0
         self.lens = np.zeros(num_kv_heads, dtype=np.int64)
@@ -196,7 +205,7 @@ class LayerStorage:
         if self._blocks is None:  # arrays (re)allocated since the last view
             self._blocks = (self._rows, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
                             self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
-        if self.mode.quantized:
+        if self._quantized:
             counts = tuple([None if (a := getattr(self, n)) is None else _frozen(a) for n in KV_COUNTS])
         else:
             # Unquantized rows have no exact rows, q8 field or window: of the
@@ -254,7 +263,7 @@ class LayerStorage:
                 new._install(snap)
             except OSError:   # out of file descriptors or mappings: rows of its own
                 return self.copy()
-        self._rows.holders.add(new)
+        self._rows.join(new)
         new._rows = self._rows
         return new
 
@@ -435,7 +444,7 @@ class LayerStorage:
     def plain_rows(self) -> bool:
         """Whether a row appends as one slice store per side: an F32/f16/bf16
         storage whose heads all hold the same count (:meth:`append_row`)."""
-        if self.mode.quantized:
+        if self._quantized:
             return False
         if self.num_kv_heads == 1:
             return True
@@ -450,7 +459,7 @@ class LayerStorage:
         at = lens.item(0)
         if at >= self.cap or self.seq_len >= self._imp.shape[0]:
             self.reserve(max(at, self.seq_len) + 1)
-        if self.mode.half:
+        if self._half:
             k, v = to_half(k, self.mode.float_dtype), to_half(v, self.mode.float_dtype)
         self.k[:, at] = k
         self.v[:, at] = v
