@@ -21,13 +21,32 @@ import os
 DECODE_BLOCK = 2048
 
 #: Bytes ahead of the row being read that the decode passes prefetch
-#: (``llvm.prefetch``, every 64-byte line of the row; 0 = none). Measured on
-#: one core (Zen 5, 32/8 heads, hd 128, F32, stream-read probe 36-40 GB/s):
-#: 0.73 / 0.63 of the probe at 4k / 16k rows without, 0.81 / 0.76 at 4 KiB,
-#: 1.03-1.06 / 0.86-0.87 at 8 KiB, 1.03 / 0.78 at 16 KiB, 0.88 / 0.69 at
-#: 32 KiB. A hint: no value depends on it. Compiled in: a change needs a
-#: fresh compile (``KVREG_NUMBA_CACHE=0`` or a new ``NUMBA_CACHE_DIR``).
-PREFETCH_BYTES = 8192
+#: (``llvm.prefetch``, every 64-byte line of the row; 0 = none), by the host
+#: CPU LLVM names. Measured on one core (32/8 heads, hd 128, F32):
+#:
+#: * AMD Zen 5 (stream-read probe 36-40 GB/s): 0.73 / 0.63 of the probe at
+#:   4k / 16k rows without, 0.81 / 0.76 at 4 KiB, 1.03-1.06 / 0.86-0.87 at
+#:   8 KiB, 1.03 / 0.78 at 16 KiB, 0.88 / 0.69 at 32 KiB;
+#: * an Intel Xeon with AVX-512 and AMX (LLVM: ``rocketlake``), GB/s at 16k /
+#:   64k rows (from DRAM; 4k rows stay in its last-level cache, 21-23 GB/s
+#:   whatever the distance): 11.1 / 11.1 without, 12.6 / 12.4 at 512 B, 12.7 /
+#:   13.2 at 1 KiB, 13.0-13.9 / 13.4-13.6 at 2 KiB, 12.1 / 12.0 at 4 KiB,
+#:   10.7 / 10.8 at 8 KiB, 10.8 / 10.5 at 16 KiB.
+#:
+#: So 8 KiB on Zen (``znver*``), 2 KiB elsewhere. A hint: no value depends
+#: on it. Compiled in: a change needs a fresh compile (``KVREG_NUMBA_CACHE=0``
+#: or a new ``NUMBA_CACHE_DIR``; numba's cache is kept per CPU model).
+def _prefetch_bytes() -> int:
+    try:
+        from llvmlite import binding
+
+        cpu = binding.get_host_cpu_name()
+    except Exception:  # no llvmlite: the kernels cannot load either
+        cpu = ""
+    return 8192 if cpu.startswith("znver") else 2048
+
+
+PREFETCH_BYTES = _prefetch_bytes()
 
 #: Decode block tasks handed to a thread at a time (dynamic scheduling;
 #: 0 = numba's static split into one chunk per thread).

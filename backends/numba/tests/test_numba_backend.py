@@ -115,3 +115,14 @@ def test_the_decode_kernel_refuses_a_scratch_too_small_for_its_rows():
     _, narrow = K.plan_sizes([100], 20, -1, 16, 4, 64, 8)   # a window needs less: sized by the visible rows
     assert narrow < need
     call(np.empty(narrow, np.float32), 20)
+
+
+@pytest.mark.parametrize("cpu, want", [("znver5", 8192), ("znver4", 8192), ("rocketlake", 2048),
+                                       ("sapphirerapids", 2048), ("", 2048)])
+def test_the_prefetch_distance_follows_the_measured_cpus(monkeypatch, cpu, want):
+    from llvmlite import binding
+
+    from kvreg_numba import config
+
+    monkeypatch.setattr(binding, "get_host_cpu_name", lambda: cpu)
+    assert config._prefetch_bytes() == want
