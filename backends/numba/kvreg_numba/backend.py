@@ -81,25 +81,21 @@ def _layer_args(k, kv) -> tuple[tuple, int]:
     memo = getattr(owner, "memo", None)
     if memo is None or memo[0] is not anchor:
         a = _storage_args(kv)
-        for name in ("kcol_set", "vcol_set", "xlen", "b8"):   # counts: spliced in per call
+        for name in k.KV_COUNT_AT:   # counts: spliced in per call
             if a[name] is not None:
                 a[name] = kv.lens[:0]
         args = k._kv_args(**a)
         elem = (1 if a["k"] is None else args[0].dtype.itemsize) + (1 if a["v"] is None else args[5].dtype.itemsize)
-        memo = (anchor, args, elem, tuple(n for n in ("kcol_set", "vcol_set", "xlen", "b8") if a[n] is not None))
+        memo = (anchor, args, elem, tuple(n for n in k.KV_COUNT_AT if a[n] is not None))
         if hasattr(owner, "memo"):
             owner.memo = memo
     args, counts = memo[1], memo[3]
     if counts:
         args = list(args)
         for name in counts:
-            args[_KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
+            args[k.KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
         args = tuple(args)
     return args, memo[2]
-
-
-#: Where each per-head count sits in :func:`kvreg_numba.kernels._kv_args`' tuple.
-_KV_COUNT_AT = {"kcol_set": 4, "vcol_set": 9, "xlen": 14, "b8": 17}
 
 
 def _count(name, a):

@@ -1538,6 +1538,11 @@ def window_block(a):
     return np.ascontiguousarray(a).view(np.int16)
 
 
+#: Where each per-head count sits in :func:`_kv_args`' tuple (a backend that
+#: keeps the tuple per allocation puts each version's counts there).
+KV_COUNT_AT = {"kcol_set": 4, "vcol_set": 9, "xlen": 14, "b8": 17}
+
+
 def _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen,
              thk=None, thv=None, b8=None):
     kquant = k is None
