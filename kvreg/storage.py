@@ -299,8 +299,8 @@ class LayerStorage:
             setattr(self, name, a)
         self.cap = snap.specs[0][2][1]
         self._snap = snap
-        self._blocks = self._view = self._still = None
-        self._rows.memo = None
+        self._view = None
+        self._forget_arrays()
 
     def shared_block_bytes(self) -> int:
         """Bytes of stored rows this storage shares with forks: all of them
@@ -346,8 +346,13 @@ class LayerStorage:
         """Every mutation: a new version (``arrays``: an array was replaced)."""
         self.version = next_generation()
         if arrays:
-            self._blocks = self._still = None
-            self._rows.memo = None
+            self._forget_arrays()
+
+    def _forget_arrays(self) -> None:
+        """What was derived from the arrays an array replacement outdates: the
+        view's blocks, its still counts, a backend's memo on the owner."""
+        self._blocks = self._still = None
+        self._rows.memo = None
 
     def _rewritten(self) -> None:
         """A mutation a copy cannot follow by row counts: every row may differ."""

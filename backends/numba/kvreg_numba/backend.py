@@ -85,8 +85,7 @@ def _layer_args(k, kv) -> tuple[tuple, int]:
             if a[name] is not None:
                 a[name] = kv.lens[:0]
         args = k._kv_args(**a)
-        elem = (1 if a["k"] is None else args[0].dtype.itemsize) + (1 if a["v"] is None else args[5].dtype.itemsize)
-        memo = (anchor, args, elem, tuple(n for n in k.KV_COUNT_AT if a[n] is not None))
+        memo = (anchor, args, k.kv_elem_bytes(args), tuple(n for n in k.KV_COUNT_AT if a[n] is not None))
         if hasattr(owner, "memo"):
             owner.memo = memo
     args, counts = memo[1], memo[3]

@@ -1091,7 +1091,6 @@ def _imp_chunk(imp, a0, a1, firsts, ns, tstart, i0, ngr, hpk, block, E, coef):
                 p = seg_end
 
 
-
 @njit(nogil=True, cache=_CACHE)
 def _visible(firsts, ns, window, upto):
     """:func:`attend_groups`' visible rows ``[f, n)`` per group: ``n =
@@ -1504,6 +1503,7 @@ _EMPTY_F2 = np.empty((0, 0), np.float32)
 _EMPTY_F1 = np.empty(0, np.float32)
 _EMPTY_B1 = np.empty(0, np.bool_)
 _EMPTY_I1 = np.empty(0, np.int64)
+_I64 = np.dtype(np.int64)
 _EMPTY_H3 = np.empty((0, 0, 0), np.int16)
 
 
@@ -1536,6 +1536,12 @@ def window_block(a):
     if a.dtype != np.float16:
         raise ValueError(f"a float16 window must be float16 (or its int16 bits), not {a.dtype}")
     return np.ascontiguousarray(a).view(np.int16)
+
+
+def kv_elem_bytes(kv):
+    """Bytes of K and V per channel of a row for a :func:`_kv_args` tuple
+    (an int8 side counts 1; ``kquant``/``vquant`` are its items 10 and 11)."""
+    return (1 if kv[10] else kv[0].dtype.itemsize) + (1 if kv[11] else kv[5].dtype.itemsize)
 
 
 #: Where each per-head count sits in :func:`_kv_args`' tuple (a backend that
@@ -1729,8 +1735,7 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
     """
     kv = _kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8)
-    elem = (1 if k is None else kv[0].dtype.itemsize) + (1 if v is None else kv[5].dtype.itemsize)
-    return attend_kv(q, frozen_counts(lens), kv, elem, scale=scale, window=window, softcap=softcap, sinks=sinks,
+    return attend_kv(q, frozen_counts(lens), kv, kv_elem_bytes(kv), scale=scale, window=window, softcap=softcap, sinks=sinks,
                      imp=imp, upto=upto, block=block, out=out)
 
 
@@ -1745,7 +1750,7 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     one numba dispatch. Each numpy or numba call counts inside a model,
     whose matmuls evict the interpreter's working set between layers:
     measured with the caches flushed before each call, ~10 µs a numpy
-    call and ~30 µs the dispatch of the plan this replaced."""
+    call, ~30 µs a numba dispatch."""
     q = q if type(q) is np.ndarray and q.dtype == np.float32 and q.flags.c_contiguous \
         else np.ascontiguousarray(q, dtype=np.float32)
     nh, hd = q.shape
@@ -1781,8 +1786,10 @@ def plan_sizes(lens, window, upto, block, hpk, hd, elem_bytes):
 
 def frozen_counts(a):
     """Per-head counts as :func:`attend_groups` takes them: a read-only
-    int64 array (a :class:`kvreg.KvView`'s own counts pass as they are; one
-    compiled kernel for every caller)."""
+    int64 array (a :class:`kvreg.KvView`'s own counts pass as they are, with
+    no numpy call; one compiled kernel for every caller)."""
+    if type(a) is np.ndarray and a.dtype is _I64 and not a.flags.writeable:
+        return a
     a = np.asarray(a, dtype=np.int64)
     if a.flags.writeable:
         a = a.view()
