@@ -315,9 +315,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 self._seq_len += 1
                 return
             if st.window_rows():    # q8/q8k/q8v past the window's first fill
-                self._check_quantized(k, v)
+                if not st.append_window_row_by(k, v, self.backend.store_window_row):
+                    self._check_quantized(k, v)
+                    st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
                 self._fresh = None
-                st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
                 self._seq_len += 1
                 return
         alive = V.alive_mask(alive, nkv)

@@ -390,6 +390,23 @@ class Backend(abc.ABC):
         The rotated modes (q8, q8k, q8v, q4) run it on every append (the new
         rows) and every attend (the query, and the output back)."""
 
+    def store_window_row(self, k: np.ndarray, v: np.ndarray, *, rot_k: bool, rot_v: bool, thk, thv, kq, ks,
+                         vq, vs, kf, vf, lens: np.ndarray, b8: np.ndarray, imp: np.ndarray, seq: int) -> bool:
+        """Optional: the decode append of a q8 (q8k, q8v) storage whose float16
+        window is full, in one call. ``k``/``v`` ``[nkv, hd]`` float32 as the
+        layer got them; write what
+        :meth:`kvreg.storage.LayerStorage.append_window_row` writes, bit for
+        bit: each quantized side (``thk``/``thv`` float16 ``[nkv, w, hd]``,
+        None when the side is float32 ``kf``/``vf``) refuses a value beyond
+        ±1e18 or NaN, is rotated when ``rot_*`` (:meth:`rotate_rows`), its
+        window's oldest row quantized into integer slot ``b8[0]`` of
+        ``kq``/``ks`` (groups of 32) or ``vq``/``vs`` (one group), the window
+        moved up and the new row stored last; a float32 side's row goes to
+        slot ``lens[0]``; then ``lens`` and ``b8`` grow by one and
+        ``imp[seq] = 0``. Return False, having written nothing, to refuse or
+        to leave the row to the layer's general path (this default)."""
+        return False
+
     # ── bounded layers ──
 
     @abc.abstractmethod

@@ -25,6 +25,7 @@ import weakref
 import numpy as np
 
 from kvreg.errors import BackendError
+from kvreg.layer import Q8_ABS_MAX
 from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.plugin import check_batch
 from kvreg.reference import ReferenceBackend
@@ -66,6 +67,17 @@ def _storage_args(kv) -> dict:
         thv=kv.thv if kv.window else None,
         b8=kv.b8 if kv.window else None,
     )
+
+
+#: Stand-ins for the arrays a side of :meth:`NumbaBackend.store_window_row`
+#: does not have (one type per argument, so one compile).
+_NO_WINDOW = np.zeros((0, 0, 0), np.int16)
+_NO_Q = np.zeros((0, 0, 0), np.int8)
+_NO_S = np.zeros((0, 0, 0), np.float32)
+_NO_VS = np.zeros((0, 0), np.float32)
+_NO_F = _NO_S
+#: Q8_ABS_MAX as the float32 the comparison with a float32 row uses.
+_Q8_BOUND = np.float32(Q8_ABS_MAX)
 
 
 def _layer_args(k, kv) -> tuple[tuple, int]:
@@ -207,9 +219,10 @@ class NumbaBackend(ReferenceBackend):
 
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
-        from .quant import fwht_rows  # numba imported by _load_kernels: its failure is a BackendError there
+        from .quant import fwht_rows, window_row_step  # numba imported by _load_kernels: its failure is a BackendError there
 
         self._fwht_rows = fwht_rows
+        self._window_row_step = window_row_step
         self._rows = None  # batch rows, built at the first attend_batch
 
     def describe(self) -> str:
@@ -286,6 +299,21 @@ class NumbaBackend(ReferenceBackend):
             if c.ndim == 1:
                 c = c.reshape(1, -1)
         return self._k.quantize_rows(x, c, int(group))
+
+    def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq):
+        hd = k.shape[1]
+        if (rot_k or rot_v) and hd & (hd - 1):
+            return False    # rotate_rows is NumPy's there
+        if thk is None:
+            thk, kq, ks = _NO_WINDOW, _NO_Q, _NO_S
+        else:
+            thk, kf = thk.view(np.int16), _NO_F
+        if thv is None:
+            thv, vq, vs = _NO_WINDOW, _NO_Q, _NO_VS
+        else:
+            thv, vf = thv.view(np.int16), _NO_F
+        return self._window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq,
+                                     KV_K_GROUP, _Q8_BOUND)
 
     def freeze_field(self, q, s, *, group):
         return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))

@@ -148,3 +148,112 @@ def fwht_rows(x, scale):
         for i in range(hd):
             row[i] = row[i] * scale
     return out
+
+
+@njit(nogil=True, cache=_CACHE)
+def half_bits(x, out):
+    """IEEE binary16 bits (int16) of the float32 row ``x`` into ``out``,
+    rounded to nearest even as numpy's ``astype(np.float16)``: overflow to
+    inf, subnormals, signed zeros; a NaN keeps its payload's top bits
+    (quiet). Integer arithmetic only, the same bits on every CPU."""
+    bits = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        b = np.int64(bits[i])
+        sign = (b >> 16) & 0x8000
+        a = b & 0x7FFFFFFF
+        if a >= 0x7F800000:                      # inf, NaN
+            h = 0x7C00 + (a & 0x7FFFFF) // 8192
+            if a > 0x7F800000 and h == 0x7C00:
+                h += 1
+        elif a >= 0x477FF000:                    # rounds past 65504
+            h = 0x7C00
+        elif a >= 0x38800000:                    # a normal half
+            a -= 0x38000000                      # exponent rebiased 127 -> 15
+            h = (a + 0xFFF + ((a >> 13) & 1)) >> 13
+        elif a > 0x33000000:                     # a subnormal half (or its rounding up to 2^-14)
+            m = (a & 0x7FFFFF) | 0x800000
+            sh = 126 - (a >> 23)
+            h = m >> sh
+            rem = m - (h << sh)
+            half = np.int64(1) << (sh - 1)
+            if rem > half or (rem == half and (h & 1) == 1):
+                h += 1
+        else:                                    # at most 2^-25: zero
+            h = 0
+        h |= sign
+        out[i] = np.int16(h - 0x10000 if h >= 0x8000 else h)
+
+
+@njit(nogil=True, cache=_CACHE)
+def half_to_float(h, out):
+    """The float32 values of the binary16 bits ``h`` (int16 row): exact."""
+    bits = out.view(np.uint32)
+    for i in range(h.shape[0]):
+        b = np.int64(h[i]) & 0xFFFF
+        sign = (b & 0x8000) << 16
+        e = (b >> 10) & 0x1F
+        m = b & 0x3FF
+        if e == 0:
+            v = np.float32(m) * np.float32(2.0 ** -24)   # exact: a normal float32
+            out[i] = -v if sign else v
+            continue
+        bits[i] = np.uint32(sign | (((e + 112) if e < 31 else 255) << 23) | (m << 13))
+
+
+@njit(nogil=True, cache=_CACHE)
+def _within(x, bound):
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if not abs(x[i, d]) <= bound:   # NaN compares false
+                return False
+    return True
+
+
+@njit(nogil=True, cache=_CACHE)
+def _window_side(x, th, q, s, group, row):
+    # One quantized side of every head: the window's oldest row into the
+    # integer slot (q [nkv, hd], s [nkv, groups]: the slot's rows), the
+    # window moved up a row, x (stored basis) its newest.
+    nkv, w, hd = th.shape
+    for h in range(nkv):
+        t = th[h]
+        half_to_float(t[0], row)
+        _quant_row(row, group, q[h], s[h])
+        for i in range(w - 1):
+            t[i] = t[i + 1]
+        half_bits(x[h], t[w - 1])
+
+
+@njit(nogil=True, cache=_CACHE)
+def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, kgroup, bound):
+    """The decode append of a q8 storage whose float16 window is full
+    (:meth:`kvreg.storage.LayerStorage.append_window_row`'s bits in one
+    call): ``k``/``v`` ``[nkv, hd]`` float32 as given; a side whose window
+    ``thk``/``thv`` (int16 bits ``[nkv, w, hd]``) is empty is stored as
+    float32 rows ``kf``/``vf`` instead. Returns False, having written
+    nothing, when a quantized side holds a value beyond ``bound`` (or NaN):
+    the caller's general path then raises its error."""
+    qk = thk.shape[2] > 0
+    qv = thv.shape[2] > 0
+    if (qk and not _within(k, bound)) or (qv and not _within(v, bound)):
+        return False
+    nkv, hd = k.shape
+    scale = np.float32(1.0 / np.sqrt(hd))
+    kr = fwht_rows(k, scale) if rot_k else k
+    vr = fwht_rows(v, scale) if rot_v else v
+    at = lens[0]
+    p = b8[0]
+    row = np.empty(hd, np.float32)
+    if qk:
+        _window_side(kr, thk, kq[:, p], ks[:, p], kgroup, row)
+    else:
+        kf[:, at] = kr
+    if qv:
+        _window_side(vr, thv, vq[:, p], vs[:, p:p + 1], hd, row)
+    else:
+        vf[:, at] = vr
+    for h in range(nkv):
+        lens[h] = at + 1
+        b8[h] = p + 1
+    imp[seq] = 0.0
+    return True
