@@ -314,8 +314,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 st.append_row(k, v)
                 self._seq_len += 1
                 return
-            if st.window_rows():    # q8/q8k/q8v past the window's first fill
-                if not st.append_window_row_by(k, v, self.backend.store_window_row):
+            # q8/q8k/q8v past the window's first fill: the backend's one call
+            # (it checks that state itself), else the general window path
+            stored = st.window and st.append_window_row_by(k, v, self.backend.store_window_row)
+            if stored or st.window_rows():
+                if not stored:
                     self._check_quantized(k, v)
                     st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
                 self._fresh = None

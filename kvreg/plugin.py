@@ -391,10 +391,13 @@ class Backend(abc.ABC):
         rows) and every attend (the query, and the output back)."""
 
     def store_window_row(self, k: np.ndarray, v: np.ndarray, *, rot_k: bool, rot_v: bool, thk, thv, kq, ks,
-                         vq, vs, kf, vf, lens: np.ndarray, b8: np.ndarray, imp: np.ndarray, seq: int) -> bool:
+                         vq, vs, kf, vf, lens: np.ndarray, b8: np.ndarray, imp: np.ndarray, seq: int,
+                         exact_cap: int) -> bool:
         """Optional: the decode append of a q8 (q8k, q8v) storage whose float16
         window is full, in one call. ``k``/``v`` ``[nkv, hd]`` float32 as the
-        layer got them; write what
+        layer got them. First check that state (every head holds the same
+        count ``n >= exact_cap``, and ``b8`` is ``n - w`` on every head, ``w``
+        the window's rows), then write what
         :meth:`kvreg.storage.LayerStorage.append_window_row` writes, bit for
         bit: each quantized side (``thk``/``thv`` float16 ``[nkv, w, hd]``,
         None when the side is float32 ``kf``/``vf``) refuses a value beyond

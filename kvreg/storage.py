@@ -518,17 +518,18 @@ class LayerStorage:
 
     @_writes
     def append_window_row_by(self, k: np.ndarray, v: np.ndarray, kernel) -> bool:
-        """:meth:`append_window_row` in one backend call (a :meth:`window_rows`
-        storage): ``kernel`` is the backend's :meth:`~kvreg.plugin.Backend.store_window_row`,
-        which writes the rows, counts and importance slot given here and
-        returns False, having written nothing, to leave the row to the general
-        path (a value it refuses, or no fused kernel). False too when the row
-        needs more capacity."""
-        if self.lens.item(0) >= self.cap or self.seq_len >= self._imp.shape[0]:
+        """:meth:`append_window_row` in one backend call: ``kernel`` is the
+        backend's :meth:`~kvreg.plugin.Backend.store_window_row`, which checks
+        that this is a :meth:`window_rows` storage, writes the rows, counts
+        and importance slot given here and returns False, having written
+        nothing, to leave the row to the layer's other paths (not that state,
+        a value it refuses, or no fused kernel). False too when the row needs
+        more capacity."""
+        if self.mode.tiered or self.lens.item(0) >= self.cap or self.seq_len >= self._imp.shape[0]:
             return False
         if not kernel(k, v, rot_k=self.rot_k, rot_v=self.rot_v, thk=self.thk, thv=self.thv, kq=self.kq,
                       ks=self.ks, vq=self.vq, vs=self.vs, kf=self.k, vf=self.v, lens=self.lens, b8=self.b8,
-                      imp=self._imp, seq=self.seq_len):
+                      imp=self._imp, seq=self.seq_len, exact_cap=self.exact_cap):
             return False
         self.seq_len += 1
         self._touch()

@@ -223,6 +223,7 @@ class NumbaBackend(ReferenceBackend):
 
         self._fwht_rows = fwht_rows
         self._window_row_step = window_row_step
+        self._windows = {}   # id -> (float16 window, its int16 view): _bits
         self._rows = None  # batch rows, built at the first attend_batch
 
     def describe(self) -> str:
@@ -300,20 +301,31 @@ class NumbaBackend(ReferenceBackend):
                 c = c.reshape(1, -1)
         return self._k.quantize_rows(x, c, int(group))
 
-    def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq):
+    def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap):
         hd = k.shape[1]
         if (rot_k or rot_v) and hd & (hd - 1):
             return False    # rotate_rows is NumPy's there
         if thk is None:
             thk, kq, ks = _NO_WINDOW, _NO_Q, _NO_S
         else:
-            thk, kf = thk.view(np.int16), _NO_F
+            thk, kf = self._bits(thk), _NO_F
         if thv is None:
             thv, vq, vs = _NO_WINDOW, _NO_Q, _NO_VS
         else:
-            thv, vf = thv.view(np.int16), _NO_F
+            thv, vf = self._bits(thv), _NO_F
         return self._window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq,
-                                     KV_K_GROUP, _Q8_BOUND)
+                                     exact_cap, KV_K_GROUP, _Q8_BOUND)
+
+    def _bits(self, window):
+        """The int16 view of a float16 window, kept per array (a numpy call
+        fewer per side and decode step; windows are a few rows, so the few
+        kept after their storage moved on cost nothing)."""
+        got = self._windows.get(id(window))
+        if got is None or got[0] is not window:
+            if len(self._windows) >= 1024:
+                self._windows.clear()
+            got = self._windows[id(window)] = (window, window.view(np.int16))
+        return got[1]
 
     def freeze_field(self, q, s, *, group):
         return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))

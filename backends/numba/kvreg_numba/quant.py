@@ -225,24 +225,32 @@ def _window_side(x, th, q, s, group, row):
 
 
 @njit(nogil=True, cache=_CACHE)
-def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, kgroup, bound):
+def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap, kgroup,
+                    bound):
     """The decode append of a q8 storage whose float16 window is full
     (:meth:`kvreg.storage.LayerStorage.append_window_row`'s bits in one
     call): ``k``/``v`` ``[nkv, hd]`` float32 as given; a side whose window
     ``thk``/``thv`` (int16 bits ``[nkv, w, hd]``) is empty is stored as
     float32 rows ``kf``/``vf`` instead. Returns False, having written
-    nothing, when a quantized side holds a value beyond ``bound`` (or NaN):
-    the caller's general path then raises its error."""
+    nothing, when the storage is not in that state (heads at one count ``n
+    >= exact_cap``, ``b8 == n - w`` on each) or a quantized side holds a
+    value beyond ``bound`` (or NaN): the caller's other paths then take the
+    row, or raise."""
     qk = thk.shape[2] > 0
     qv = thv.shape[2] > 0
+    nkv, hd = k.shape
+    at = lens[0]
+    p = at - (thk.shape[1] if qk else thv.shape[1])
+    if at < exact_cap:
+        return False
+    for h in range(nkv):
+        if lens[h] != at or b8[h] != p:
+            return False
     if (qk and not _within(k, bound)) or (qv and not _within(v, bound)):
         return False
-    nkv, hd = k.shape
     scale = np.float32(1.0 / np.sqrt(hd))
     kr = fwht_rows(k, scale) if rot_k else k
     vr = fwht_rows(v, scale) if rot_v else v
-    at = lens[0]
-    p = b8[0]
     row = np.empty(hd, np.float32)
     if qk:
         _window_side(kr, thk, kq[:, p], ks[:, p], kgroup, row)
