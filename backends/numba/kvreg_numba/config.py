@@ -48,9 +48,15 @@ def _prefetch_bytes() -> int:
 
 PREFETCH_BYTES = _prefetch_bytes()
 
-#: Decode block tasks handed to a thread at a time (dynamic scheduling;
+#: Batched-decode tasks handed to a thread at a time (dynamic scheduling;
 #: 0 = numba's static split into one chunk per thread).
 TASK_CHUNK = 4
+
+#: Reads a decode helper thread makes of the newest call's number before it
+#: sleeps (kvreg_numba.kernels._Helpers): ~100 µs on a 2026 x86 core, long
+#: enough to catch a model's next layer, short enough not to hold a core
+#: the host's own threads want for long.
+HELPER_SPIN = 200_000
 
 #: Most query rows per tile of the prefill chunk kernel (per head; the
 #: group's heads are stacked, so a tile is ``hpk * rows`` GEMM rows against

@@ -21,7 +21,9 @@ the visible rows only, which is what makes the kernel contract's invariants
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
 import threading
 import time
 from contextlib import contextmanager
@@ -33,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import pick
+from kvreg.threads import pick, threads_for
 
 from . import config
 from .blas import one_blas_thread
@@ -1109,10 +1111,150 @@ def _visible(firsts, ns, window, upto):
     return fs, out
 
 
-@njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
+#: Claims on a decode task (``state[t]``, :func:`attend_groups`): free, run
+#: by the calling thread, taken back by it from a helper; helper ``i``
+#: claims with ``HELPER + 2 i`` and marks it done with the next code.
+TASK_FREE, TASK_CALLER, TASK_TAKEN_BACK, HELPER = 0, 1, -1, 3
+
+
+def _item_pointer(context, builder, sig, args):
+    aryty = sig.args[0]
+    ary = context.make_array(aryty)(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]])
+
+
+@intrinsic
+def _claim(typingctx, arr, idx, expected, new):
+    """Atomic compare-and-swap of the int64 ``arr[idx]`` from ``expected`` to
+    ``new`` (sequentially consistent); returns the value it found."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = _item_pointer(context, builder, signature, args)
+        i64 = ir.IntType(64)
+        exp = context.cast(builder, args[2], signature.args[2], types.int64)
+        val = context.cast(builder, args[3], signature.args[3], types.int64)
+        res = builder.cmpxchg(ptr, exp, val, "seq_cst", "seq_cst")
+        assert res.type.elements[0] == i64
+        return builder.extract_value(res, 0)
+
+    return types.int64(arr, idx, expected, new), codegen
+
+
+@intrinsic
+def _claim_of(typingctx, arr, idx):
+    """Atomic (acquire) load of the int64 ``arr[idx]``: a helper's partial
+    states are complete once its done code is seen."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64 and arr.ndim == 1):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_item_pointer(context, builder, signature, args), "acquire", 8)
+
+    return types.int64(arr, idx), codegen
+
+
+@intrinsic
+def _cycles(typingctx):
+    """The CPU's cycle counter (``llvm.readcyclecounter``: rdtsc on x86; 0
+    where a target has none)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),
+                                            "llvm.readcyclecounter")
+        return builder.call(fn, [])
+
+    return types.int64(), codegen
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set, block, window, upto):
+    """``q (x) col_k`` (q8 K; the dots then need no field), the visible rows
+    ``[fs, ns)`` per group and the task grid (one task per ``block`` rows
+    of a group, block 0 starting at its first row)."""
+    ngr = gids.shape[0]
+    hd = q.shape[1]
+    qc = np.empty((ngr * hpk, hd), np.float32)
+    for i in range(ngr):
+        g = gids[i]
+        use_col = kquant and kcol_set[g]
+        for h in range(hpk):
+            row = i * hpk + h
+            for d in range(hd):
+                if use_col:
+                    qc[row, d] = q[row, d] * kcol[g, d]
+                else:
+                    qc[row, d] = q[row, d]
+    fs, ns = _visible(firsts, ns, window, upto)
+    spans = np.empty(ngr, np.int64)
+    for i in range(ngr):
+        spans[i] = ns[i] - fs[i] if ns[i] > 0 else 0
+    tstart, tgroup = task_grid(spans, block)
+    return qc, fs, ns, tstart, tgroup
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant, vquant,
+                 xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc, kbuf, vbuf):
+    """Task ``t``'s partial softmax state into its slots ``E[t]``, ``pm[t]``,
+    ``pl[t]``, ``pacc[t]``."""
+    i = tgroup[t]
+    p0 = fs[i] + (t - tstart[i]) * block
+    nr = min(block, ns[i] - p0)
+    xl = xlen[gids[i]] if xlen.shape[0] > 0 else 0
+    wb = b8[gids[i]] if b8.shape[0] > 0 else ns[i]
+    _block_partial(qc, i * hpk, hpk, kf, kq, ks, vf, vq, vs, kquant, vquant,
+                   gids[i], p0, nr, scale, softcap, E[t], kbuf, vbuf,
+                   pm[t], pl[t], pacc[t], xk, xv, xl, thk, thv, wb)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _run_tasks(state, me, down, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant,
+               vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc):
+    """Run every task this thread can claim (all of them when ``state`` is
+    empty), in order or, ``down``, from the last; a helper (``me`` >=
+    :data:`HELPER`) marks each done unless the caller took it back."""
+    ntask = tgroup.shape[0]
+    hd = qc.shape[1]
+    kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
+    vbuf = np.empty((0, hd), np.float32)  # q8 V rows are read as int8 by _accumulate_q8
+    shared = state.shape[0] > 0
+    ran = 0
+    for j in range(ntask):
+        t = ntask - 1 - j if down else j
+        if shared and _claim(state, t, TASK_FREE, me) != TASK_FREE:
+            continue
+        _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant, vquant,
+                     xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc, kbuf, vbuf)
+        ran += 1
+        if shared and me >= HELPER:
+            _claim(state, t, me, me + 1)
+    return ran
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def decode_helper(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
+                  vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
+                  scale, softcap, sinks, block, window, upto, imp, out, scratch, state, me):
+    """A helper thread's share of an :func:`attend_groups` call (the same
+    arguments; it writes neither ``out`` nor ``imp``): the tasks of ``state``
+    it can claim (as ``me``, from the last), their partial states in its own
+    ``scratch`` at the caller's offsets."""
+    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
+                                              block, window, upto)
+    ntask = tgroup.shape[0]
+    hd = q.shape[1]
+    if ntask != state.shape[0] or ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
+        return
+    E, pm, pl, pacc, _ = partial_slabs(scratch, ntask, hpk, block, hd)
+    _run_tasks(state, me, True, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant,
+               vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                   vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
-                  scale, softcap, sinks, block, window, upto, imp, out, scratch):
+                  scale, softcap, sinks, block, window, upto, imp, out, scratch, state, helpers):
     """Decode attention of the KV groups ``gids`` (the layer entry passes all
     of them, the per-group entry one): the only attention routine, so a
     layer call and per-group calls run the same arithmetic.
@@ -1131,58 +1273,65 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     ``scratch``: a float32 buffer the kernel may use (see
     :func:`scratch_floats`; a fresh allocation per call would page-fault
     megabytes of scores and partial states on every decode step).
+
+    ``state`` / ``helpers``: the tasks' claims and the helpers' scratch rows
+    when :func:`decode_helper` threads share the call (empty: this thread
+    runs every task). This thread claims tasks in order, then copies the
+    partial states of the tasks helpers finished; a task a helper still
+    holds it waits for at most as long as one of its own tasks took, then
+    takes it back and runs it (a helper that lost its core costs two blocks,
+    not a stall). A task's bits do not depend on who ran it.
     """
     ngr = gids.shape[0]
     hd = q.shape[1]
     nrows = ngr * hpk
     has_sink = sinks.shape[0] > 0
-
-    # q (x) col_k once per call (q8 K); the dots then need no field.
-    qc = np.empty((nrows, hd), np.float32)
-    for i in range(ngr):
-        g = gids[i]
-        use_col = kquant and kcol_set[g]
-        for h in range(hpk):
-            row = i * hpk + h
-            for d in range(hd):
-                if use_col:
-                    qc[row, d] = q[row, d] * kcol[g, d]
-                else:
-                    qc[row, d] = q[row, d]
-
-    # The visible rows, then the task list: one task per (group, block),
-    # block 0 starting at first.
-    fs, ns = _visible(firsts, ns, window, upto)
-    spans = np.empty(ngr, np.int64)
-    for i in range(ngr):
-        spans[i] = ns[i] - fs[i] if ns[i] > 0 else 0
-    tstart, tgroup = task_grid(spans, block)
+    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
+                                              block, window, upto)
     ntask = tstart[ngr]
     if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
         raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
+    if state.shape[0] > 0 and state.shape[0] != ntask:
+        raise ValueError("attend_groups: state must hold one claim per task")
 
     # the blocks' partial states, then the merge's per-block coefficients
     E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
     coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
-    bk = sub_rows(hd) if kquant else 0
-    bv = 0  # q8 V rows are read as int8 by _accumulate_q8 (no dequant buffer)
-
-    for t in prange(ntask):
-        i = tgroup[t]
-        b = t - tstart[i]
-        p0 = fs[i] + b * block
-        nr = min(block, ns[i] - p0)
-        kbuf = np.empty((bk, hd), np.float32)
-        vbuf = np.empty((bv, hd), np.float32)
-        xl = xlen[gids[i]] if xlen.shape[0] > 0 else 0
-        wb = b8[gids[i]] if b8.shape[0] > 0 else ns[i]
-        _block_partial(qc, i * hpk, hpk, kf, kq, ks, vf, vq, vs, kquant, vquant,
-                       gids[i], p0, nr, scale, softcap, E[t], kbuf, vbuf,
-                       pm[t], pl[t], pacc[t], xk, xv, xl, thk, thv, wb)
+    c0 = _cycles()
+    ran = _run_tasks(state, TASK_CALLER, False, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq,
+                     vs, kquant, vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc)
+    if state.shape[0] > 0:
+        kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
+        vbuf = np.empty((0, hd), np.float32)
+        # a helper's task in flight is worth waiting for as long as this
+        # thread took for one task of its own (then it is taken back)
+        patience = (_cycles() - c0) // max(ran, 1)
+        for t in range(ntask):
+            c = _claim_of(state, t)
+            if c == TASK_CALLER:
+                continue
+            if c % 2 == 1:
+                w0 = _cycles()
+                while _claim_of(state, t) == c and _cycles() - w0 < patience:
+                    pass
+            if c % 2 == 1 and _claim(state, t, c, TASK_TAKEN_BACK) == c:
+                # a helper still holds it (or lost its core): run it here
+                _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant,
+                             vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc,
+                             kbuf, vbuf)
+                continue
+            # done by helper (c - HELPER) // 2: its states, at the same offsets
+            hE, hpm, hpl, hpacc, _ = partial_slabs(helpers[(_claim_of(state, t) - HELPER) // 2], ntask,
+                                                   hpk, block, hd)
+            pm[t] = hpm[t]
+            pl[t] = hpl[t]
+            pacc[t] = hpacc[t]
+            if imp.shape[0] > 0:
+                E[t] = hE[t]
 
     # Merge the partial states in block order; coef[t, h] turns a block's
     # exp(s - m_block) into the final probability (used for importance).
-    for row in prange(nrows):
+    for row in range(nrows):
         i = row // hpk
         h = row - i * hpk
         o = out[row]
@@ -1196,7 +1345,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     ni = imp.shape[0]
     if ni > 0:
         nchunk = (ni + block - 1) // block
-        for c in prange(nchunk):
+        for c in range(nchunk):
             _imp_chunk(imp, c * block, min(c * block + block, ni), fs, ns, tstart, 0, ngr, hpk, block,
                        E, coef)
 
@@ -1702,21 +1851,141 @@ def _rows_bytes(firsts, ns, hd, k, v):
     return rows * hd * sum(1 if a is None else np.dtype(a.dtype).itemsize for a in (k, v))
 
 
-def _run(nbytes, *args):
-    # Dynamic scheduling (config.TASK_CHUNK tasks at a time): a thread that
-    # loses its core on a shared machine, or draws a short group, no longer
-    # stalls the others. Every task writes its own slot and the merge runs
-    # in block order, so the schedule cannot change a bit. Set from Python:
-    # inside a kernel it would make the kernel uncacheable. On one thread
-    # there is no schedule to set (two calls fewer a decode).
-    state = _enter_budget(nbytes, "decode")
-    chunk = set_parallel_chunksize(config.TASK_CHUNK) if state[0] > 1 else None
-    try:
-        attend_groups(*args)
-    finally:
-        if chunk is not None:
-            set_parallel_chunksize(chunk)
-        _exit_budget(state)
+_NO_STATE = np.zeros(0, np.int64)
+_NO_HELPERS = np.zeros((0, 0), np.float32)
+
+
+class _Helpers:
+    """Daemon threads that share decode calls (:func:`decode_helper`).
+
+    The caller posts its call to ``n`` of them and runs :func:`attend_groups`
+    itself; a helper takes the newest call posted to it (an older one it
+    missed was finished without it). The caller never waits for a helper
+    longer than one of its own tasks: beside a busy process a helper may not
+    get a core for milliseconds, and a numba parallel region's barrier
+    would wait for it (docs/threads.md).
+
+    After a call a helper watches for the next one for
+    ``config.HELPER_SPIN`` reads (nogil, ~100 µs: a decode's layers come
+    back to back), then sleeps on a plain lock, released to wake it (a
+    sleeping thread took ~60 µs to start; a ``threading.Event`` wakes 2.5x
+    slower than a lock). Threads do not survive a fork: a child starts its
+    own. At exit the process waits for a helper still in a call
+    (:meth:`drain`): the interpreter would free the call's arrays under it,
+    or end it inside numba's first compile of its kernel (an LLVM abort,
+    seen)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.pid = None
+        self.jobs: list = []     # per helper: (sequence, arguments) or None
+        self.wake: list = []     # per helper: a lock held while it has nothing to do
+        self.busy: list = []     # per helper: a lock held while it runs a call
+        self.seq = 0
+        self.closing = False
+        self.posted = np.zeros(1, np.int64)   # the newest sequence, for the watching helpers
+
+    def post(self, jobs) -> None:
+        with self.lock:
+            if self.closing:
+                return
+            if self.pid != os.getpid():   # a fork's child (see register_at_fork below)
+                self.pid, self.jobs, self.wake, self.busy = os.getpid(), [], [], []
+            while len(self.wake) < len(jobs):
+                i = len(self.wake)
+                self.jobs.append(None)
+                self.wake.append(threading.Lock())
+                self.busy.append(threading.Lock())
+                self.wake[i].acquire()
+                threading.Thread(target=self._main, args=(i, self.wake[i], self.busy[i]), daemon=True,
+                                 name=f"kvreg-numba-decode-{i}").start()
+            self.seq += 1
+            for i, job in enumerate(jobs):
+                self.jobs[i] = (self.seq, job)
+            self.posted[0] = self.seq
+        for i in range(len(jobs)):
+            try:
+                self.wake[i].release()
+            except RuntimeError:   # already awake: it reads the newest job next
+                pass
+
+    def drain(self, timeout: float = 300.0) -> None:
+        """Take no more calls and wait for those in flight (atexit)."""
+        with self.lock:
+            self.closing = True
+            busy = list(self.busy) if self.pid == os.getpid() else []
+        for b in busy:
+            if b.acquire(timeout=timeout):
+                b.release()
+
+    def _main(self, i, wake, busy) -> None:
+        done = 0
+        while True:
+            if _watch(self.posted, done, config.HELPER_SPIN):
+                wake.acquire(blocking=False)   # the post's wake-up, if it came yet
+            else:
+                wake.acquire()
+            with self.lock:
+                if self.closing or i >= len(self.jobs) or self.jobs[i] is None or self.jobs[i][0] == done:
+                    continue
+                done, job = self.jobs[i]
+                busy.acquire()
+            try:
+                decode_helper(*job)
+            except Exception:  # noqa: BLE001  (the caller runs every task a helper did not finish)
+                pass
+            finally:
+                busy.release()
+            with self.lock:   # drop the call's arrays unless a newer call came
+                if i < len(self.jobs) and self.jobs[i] is not None and self.jobs[i][0] == done:
+                    self.jobs[i] = None
+
+
+@njit(nogil=True, cache=_CACHE)
+def _watch(posted, last, reads):
+    """Whether ``posted[0]`` moves off ``last`` within ``reads`` atomic reads
+    (no GIL held while watching)."""
+    for _ in range(reads):
+        if _claim_of(posted, 0) != last:
+            return True
+    return False
+
+
+_helpers = _Helpers()
+atexit.register(_helpers.drain)
+if hasattr(os, "register_at_fork"):   # a lock a helper held at the fork stays held in the child
+    os.register_at_fork(after_in_child=_helpers.__init__)
+
+
+def _helper_scratch(n, nfloats):
+    # Per calling thread, like _scratch: helper i's partial states go to row i.
+    hs = getattr(_tls, "helpers", None)
+    if hs is None or hs.shape[0] < n or hs.shape[1] < nfloats:
+        rows = max(n, 0 if hs is None else hs.shape[0])
+        cols = max(nfloats, 2 * (0 if hs is None else hs.shape[1]), 1024)
+        hs = _tls.helpers = np.empty((rows, cols), np.float32)
+    return hs
+
+
+def _run(nbytes, nfloats, *args):
+    # ``args``: attend_groups' up to ``out``. On more than one thread the
+    # call is shared with helper threads that claim tasks from ``state``;
+    # every task writes its own slot and the merge runs in block order, so
+    # who ran a task cannot change a bit.
+    # No measured choice of the count (kvreg.threads.Chooser): beside a
+    # busy process a helper without a core costs the caller one block at
+    # most, so the budget never loses to one thread by much.
+    n = min(threads_for(nbytes), numba.config.NUMBA_NUM_THREADS)
+    scratch = _scratch(nfloats)
+    hpk, hd, block = args[1], args[0].shape[1], args[26]
+    ntask = nfloats // (hpk * (block + 3 + hd))
+    if n < 2 or ntask < 2:
+        attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        return
+    hs = _helper_scratch(n - 1, nfloats)
+    claims = np.zeros(ntask, np.int64)
+    _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
+    attend_groups(*args, scratch, claims, hs)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
@@ -1761,10 +2030,9 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     block = int(block or config.DECODE_BLOCK)
     window, upto = int(window), -1 if upto is None else int(upto)
     nbytes, nfloats = plan_sizes(lens.tolist(), window, upto, block, hpk, hd, elem)
-    _run(nbytes, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
+    _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
          scale if type(scale) is np.float32 else np.float32(scale),
-         _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, upto, _imp(imp), out,
-         _scratch(nfloats))
+         _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, upto, _imp(imp), out)
     return out
 
 
@@ -1824,10 +2092,10 @@ def attend_group(q_group, g, lens, *, first=0, upto=None, k=None, kq=None, ks=No
     firsts = frozen_counts(np.array([f], np.int64))
     ns = frozen_counts(np.array([n], np.int64))
     block = int(block or config.DECODE_BLOCK)
-    _run(_rows_bytes(firsts, ns, hd, k, v), q_group, nheads, np.array([g], np.int64), firsts, ns,
-                  *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
-                  np.float32(scale), np.float32(softcap), _sinks(sinks),
-                  block, 0, -1, _imp(imp), out, _scratch(scratch_floats(nheads, nheads, hd, firsts, ns, block)))
+    _run(_rows_bytes(firsts, ns, hd, k, v), scratch_floats(nheads, nheads, hd, firsts, ns, block), q_group,
+         nheads, np.array([g], np.int64), firsts, ns,
+         *_kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8),
+         np.float32(scale), np.float32(softcap), _sinks(sinks), block, 0, -1, _imp(imp), out)
     return out
 
 

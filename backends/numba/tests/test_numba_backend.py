@@ -108,7 +108,8 @@ def test_the_decode_kernel_refuses_a_scratch_too_small_for_its_rows():
     q = np.ones((4, 64), np.float32)
     call = lambda scratch, window: K.attend_groups(  # noqa: E731
         q, 4, np.arange(1, dtype=np.int64), K._zeros(1), lens, *args, np.float32(0.1), np.float32(0),
-        np.empty(0, np.float32), 16, window, -1, np.empty(0, np.float32), np.empty((4, 64), np.float32), scratch)
+        np.empty(0, np.float32), 16, window, -1, np.empty(0, np.float32), np.empty((4, 64), np.float32), scratch,
+        K._NO_STATE, K._NO_HELPERS)
     with pytest.raises(ValueError, match="scratch"):
         call(np.empty(need - 1, np.float32), 0)
     call(np.empty(need, np.float32), 0)

@@ -102,9 +102,9 @@ def _spy(monkeypatch):
     seen = []
     real = K._run
 
-    def run(nbytes, *args):
+    def run(nbytes, nfloats, *args):
         seen.append(args)
-        return real(nbytes, *args)
+        return real(nbytes, nfloats, *args)
 
     monkeypatch.setattr(K, "_run", run)
     return seen

@@ -1,0 +1,124 @@
+"""A decode shared with helper threads (kvreg_numba.kernels: attend_groups,
+decode_helper, _Helpers). Helpers claim tasks from a shared array; the
+caller runs what is left, copies what helpers finished and takes back what
+a helper still holds, so it never waits long for a thread that lost its
+core. These tests would catch a caller that used a helper's half-written
+state, one that skipped a task, bits that depend on who ran a task, helper
+threads lost after a fork, and a process that aborts at exit while a
+helper is busy."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvreg
+from kvreg_numba import kernels as K
+
+
+def _call(rows=5000, nkv=2, hd=64, hpk=3, mode="f32", imp=False, seed=0):
+    """attend_groups' arguments for a layer (several tasks per group), the
+    scratch size and the task count."""
+    rng = np.random.default_rng(seed)
+    lay = kvreg.LayerKvCache(nkv, hd, mode, "numba")
+    x = rng.standard_normal((rows, nkv, hd)).astype(np.float32)
+    lay.extend(x, x)
+    got = {}
+    real = K._run
+    K._run = lambda nbytes, nfloats, *args: got.update(nfloats=nfloats, args=args)
+    try:
+        lay.attend_layer(rng.standard_normal((nkv * hpk, hd)).astype(np.float32), importance=imp)
+    finally:
+        K._run = real
+    args = list(got["args"])
+    args[26] = 1024      # block: 5 tasks per group
+    nfloats = K.scratch_floats(nkv * hpk, hpk, hd, np.asarray(args[3]), np.asarray(args[4]), 1024)
+    ntask = nfloats // (hpk * (1024 + 3 + hd))
+    return args, nfloats, ntask
+
+
+def _run_alone(args, nfloats):
+    a = list(args)
+    a[29] = a[29].copy()     # imp
+    a[30] = np.empty_like(a[30])
+    K.attend_groups(*a, np.empty(nfloats, np.float32), K._NO_STATE, K._NO_HELPERS)
+    return a[30], a[29]
+
+
+@pytest.mark.parametrize("imp", [False, True])
+@pytest.mark.parametrize("mode", ["f32", "f16", "q8"])
+def test_the_caller_copies_finished_tasks_and_takes_back_held_ones(mode, imp):
+    args, nfloats, ntask = _call(mode=mode, imp=imp)
+    want, want_imp = _run_alone(args, nfloats)
+    # helper 0 ran every task into its own scratch
+    hs = np.full((1, nfloats), np.nan, np.float32)
+    done = np.zeros(ntask, np.int64)
+    K.decode_helper(*args, hs[0], done, K.HELPER)
+    assert (done == K.HELPER + 1).all()
+    # now: tasks 0-1 free (the caller runs them), 2-4 finished by the helper,
+    # the rest still held by it (taken back: their slots in hs are garbage)
+    state = np.full(ntask, K.HELPER, np.int64)
+    state[:2] = K.TASK_FREE
+    state[2:5] = K.HELPER + 1
+    hs[0, :] = np.where(np.arange(nfloats) % 7 == 0, np.nan, hs[0])  # garbage the caller must not read...
+    K.decode_helper(*args, hs[0], np.zeros(ntask, np.int64), K.HELPER)  # ...except in finished tasks
+    a = list(args)
+    a[29], a[30] = args[29].copy(), np.empty_like(args[30])
+    K.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
+    np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(a[29].view(np.uint32), want_imp.view(np.uint32))
+    assert (state[:2] == K.TASK_CALLER).all() and (state[5:] == K.TASK_TAKEN_BACK).all()
+
+
+def test_a_held_task_is_taken_back_not_read():
+    args, nfloats, ntask = _call()
+    want, _ = _run_alone(args, nfloats)
+    hs = np.full((1, nfloats), np.nan, np.float32)   # the helper wrote nothing yet
+    state = np.full(ntask, K.HELPER, np.int64)       # and holds every task
+    a = list(args)
+    a[30] = np.empty_like(args[30])
+    K.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
+    np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
+
+
+def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
+    lay = kvreg.LayerKvCache(8, 128, "f32", "numba")
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4096, 8, 128)).astype(np.float32)
+    lay.extend(x, x)
+    q = rng.standard_normal((32, 128)).astype(np.float32)
+    monkeypatch.setenv("KVREG_THREADS", "1")
+    one = lay.attend_layer(q)
+    posted = []
+    real = K._helpers.post
+    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    monkeypatch.setenv("KVREG_THREADS", "2")
+    for _ in range(20):
+        np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), one.view(np.uint32))
+    assert posted and set(posted) == {1}
+
+
+_CHILD = """
+import os, sys, numpy as np, kvreg
+kvreg.set_num_threads(2)
+lay = kvreg.LayerKvCache(8, 128, "f32", "numba")
+x = np.ones((4096, 8, 128), np.float32); lay.extend(x, x)
+q = np.ones((32, 128), np.float32)
+want = lay.attend_layer(q)
+pid = os.fork()
+if pid == 0:   # the child: its own helper threads
+    ok = all(np.array_equal(lay.attend_layer(q), want) for _ in range(10))
+    os._exit(0 if ok else 3)
+_, status = os.waitpid(pid, 0)
+print("child", os.waitstatus_to_exitcode(status))
+for _ in range(50):
+    lay.attend_layer(q)   # exit right after: a helper may still be in a call
+"""
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
+def test_a_forked_child_decodes_and_the_process_exits_cleanly():
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("child 0")
