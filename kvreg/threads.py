@@ -26,8 +26,8 @@ busy neighbours: a 2-thread decode of 4k rows took 36 ms against 0.4 ms on
 one thread). kvreg-numba's decode runs on the budget without measuring: its
 helper threads claim tasks and the caller never waits long for one that
 lost its core (docs/threads.md). An explicit budget (``set_num_threads``,
-``KVREG_THREADS``) is used as given. The bits never depend on the count, so neither does the
-answer.
+``KVREG_THREADS``) is used as given. The bits never depend on the count, so
+neither does the answer.
 """
 
 from __future__ import annotations
