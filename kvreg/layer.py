@@ -316,11 +316,12 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
                 return
             # q8/q8k/q8v past the window's first fill: the backend's one call
             # (it checks that state itself), else the general window path
-            stored = st.window and st.append_window_row_by(k, v, self.backend.store_window_row)
-            if stored or st.window_rows():
-                if not stored:
-                    self._check_quantized(k, v)
-                    st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
+            stored = bool(st.window) and st.append_window_row_by(k, v, self.backend.store_window_row)
+            if not stored and st.window_rows():
+                self._check_quantized(k, v)
+                st.append_window_row(*self._stored_basis(k, v), self.backend.quantize_rows)
+                stored = True
+            if stored:
                 self._fresh = None
                 self._seq_len += 1
                 return

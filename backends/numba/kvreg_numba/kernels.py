@@ -1794,7 +1794,7 @@ def _start_threading_layer() -> None:
     global _get_threads, _set_threads
     # The threading layer's own per-thread entry points, once it is up:
     # numba's public get/set_num_threads take two process-wide locks a call
-    # (~1-2 us each, paid twice a decode). Counts set here come from
+    # (~1-2 us each, paid twice a parallel call). Counts set here come from
     # kvreg.threads.pick, capped to NUMBA_NUM_THREADS, so they need no check.
     _get_threads = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
     _set_threads = getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
@@ -1805,13 +1805,15 @@ _get_threads = numba.get_num_threads
 _set_threads = numba.set_num_threads
 
 
-def _enter_budget(nbytes, kind):
-    """Set this thread's numba count to kvreg's budget for a call reading
-    ``nbytes`` of K/V rows (:func:`kvreg.threads.pick`: one thread for small
-    work; under the default budget, the faster of one thread and the
-    budget, measured per ``kind`` of call). Returns what
-    :func:`_exit_budget` needs; the count chosen is its first item. Plain
-    calls, not a context manager: a decode makes one pair (~1 us)."""
+@contextmanager
+def thread_budget(nbytes, kind="decode"):
+    """Run the parallel kernels inside on kvreg's thread budget for a call
+    reading ``nbytes`` of K/V rows (:func:`kvreg.threads.pick`: one thread
+    for small work; under the default budget, the faster of one thread and
+    the budget, measured per ``kind`` of call). numba's
+    ``set_num_threads`` is per calling thread, so a host's own numba code
+    keeps its setting. The bits do not depend on the count (every reduction
+    has a fixed order). Yields the count."""
     if not _layer_started:
         _start_threading_layer()
     nbytes = int(nbytes)
@@ -1819,29 +1821,14 @@ def _enter_budget(nbytes, kind):
     old = _get_threads()
     if want != old:
         _set_threads(want)
-    return want, old, chooser, budget, nbytes, time.perf_counter_ns() if chooser is not None else 0
-
-
-def _exit_budget(state):
-    want, old, chooser, budget, nbytes, t0 = state
-    if want != old:
-        _set_threads(old)
-    if chooser is not None:
-        chooser.record(want, budget, nbytes, time.perf_counter_ns() - t0)
-
-
-@contextmanager
-def thread_budget(nbytes, kind="decode"):
-    """Run the parallel kernels inside on kvreg's thread budget for a call
-    reading ``nbytes`` of K/V rows (:func:`_enter_budget`). numba's
-    ``set_num_threads`` is per calling thread, so a host's own numba code
-    keeps its setting. The bits do not depend on the count (every reduction
-    has a fixed order). Yields the count."""
-    state = _enter_budget(nbytes, kind)
+    t0 = time.perf_counter_ns()
     try:
-        yield state[0]
+        yield want
     finally:
-        _exit_budget(state)
+        if want != old:
+            _set_threads(old)
+        if chooser is not None:
+            chooser.record(want, budget, nbytes, time.perf_counter_ns() - t0)
 
 
 def _rows_bytes(firsts, ns, hd, k, v):
