@@ -124,8 +124,12 @@ def attend_program(dev: DeviceState, hpk: int):
     inline = config.INLINE_VEC
     if inline is None:
         inline = dev.info.kind == "CPU"
+    ahead = config.PREFETCH_BYTES
+    if ahead is None:
+        ahead = config.PREFETCH_BYTES_CPU if dev.info.kind == "CPU" else 0
     opts = (f"-DKVREG_HC={hc}", *(("-DKVREG_HC_FULL",) if hpk % hc == 0 else ()),
-            *(("-DKVREG_INLINE_VEC",) if inline else ()), *config.ATTEND_OPTIONS)
+            *(("-DKVREG_INLINE_VEC",) if inline else ()),
+            *((f"-DKVREG_PREFETCH={int(ahead)}",) if ahead else ()), *config.ATTEND_OPTIONS)
     return build(dev, "attend.cl", opts)
 
 

@@ -40,6 +40,10 @@
 #define KVREG_HC 8
 #endif
 
+/* float8 slices of a V row per pass of the CPU value loop: heads x slices
+ * accumulators in registers (16). */
+#define KVREG_VW (KVREG_HC >= 8 ? 2 : KVREG_HC >= 4 ? 4 : 8)
+
 #define KV_ARGS                                                               \
     __global const float *q,        /* [T, nq, hd], nq = ng * hpk         */ \
     __global const float *k,        /* [nkv, cap, hd] f32 K (or 2-byte: KH) */ \
@@ -170,6 +174,7 @@ inline float score_q8(__local const float *qh, __global const char *kr,
 
 inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
 {
+    const int KH_BYTES = (KH == KVREG_F32) ? 4 : 2;   /* bytes an element of k / v */
     const int b = get_group_id(0);
     const int L = get_local_size(0);
     const int l = get_local_id(0);
@@ -218,6 +223,9 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
         const int kx = KQ && r < xr;      /* an exact K row: f32 path */
         const int kw = KQ && r >= wr;     /* a float16 window K row: f16 path */
         const int k8 = KQ && !kx && !kw;  /* an int8 K row */
+#ifdef KVREG_PREFETCH
+        KVREG_PREFETCH_ROW(KQ ? (__global const char *)kq : (__global const char *)k, p, hd, KQ ? 1 : KH_BYTES);
+#endif
         __global const float *kr32 = kx ? xk + (xrow0 + r) * hd : (KH == KVREG_F32 ? k + p * hd : k);
         if (k8 && (hd % KVREG_K_GROUP) == 0) {
             /* each 32-channel group converted once for every head; per head
@@ -331,24 +339,34 @@ inline void partial_body(KV_ARGS, const int KQ, const int VQ, const int KH)
 #define V_WEIGHT(r, h) (v8 ? sloc[(h) * br + (r)] * ws : sloc[(h) * br + (r)])
     __global float *pacc0 = pacc + (((size_t)t * nq + qh0) * nblk + b) * hd;   /* head h at + h*nblk*hd */
     if (L == 1 && vec == 8) {
-        /* one work-item a work-group (a CPU): rows outer, so each V row is
-         * read once for every head and slice, the sums accumulating in the
-         * block's partial state itself.  Per (head, channel) the additions
-         * of the R == 1 loop below, in the same row order: the same bits. */
-        for (int h = 0; h < hcnt; ++h)
-            for (int d = 0; d < hd; ++d) pacc0[(size_t)h * nblk * hd + d] = 0.0f;
-        for (int r = 0; r < rows; ++r) {
-            V_ROW(r);
-            float w[KVREG_HC];
-            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) w[h] = (h < hcnt) ? V_WEIGHT(r, h) : 0.0f;
-            for (int dv = 0; dv < nv; ++dv) {
-                const float8 vv = V_SLICE8(r, dv);
-                _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
-                    if (h < hcnt) {
-                        __global float *o = pacc0 + (size_t)h * nblk * hd;
-                        KVREG_ST8G(KVREG_LD8G(dv, o) + w[h] * vv, dv, o);
+        /* one work-item a work-group (a CPU): KVREG_VW slices of every head
+         * at a time, their sums in registers across the block's rows (a
+         * pass per window of slices; the block's V rows are L2-sized).  Per
+         * (head, channel) the additions of the R == 1 loop below, in the
+         * same row order: the same bits. */
+        for (int dv0 = 0; dv0 < nv; dv0 += KVREG_VW) {
+            float8 acc[KVREG_HC][KVREG_VW];
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                _Pragma("unroll") for (int j = 0; j < KVREG_VW; ++j) acc[h][j] = (float8)(0.0f);
+            for (int r = 0; r < rows; ++r) {
+                V_ROW(r);
+#ifdef KVREG_PREFETCH
+                if (dv0 == 0)
+                    KVREG_PREFETCH_ROW(VQ ? (__global const char *)vq : (__global const char *)v, p, hd,
+                                       VQ ? 1 : KH_BYTES);
+#endif
+                float w[KVREG_HC];
+                _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h) w[h] = (h < hcnt) ? V_WEIGHT(r, h) : 0.0f;
+                _Pragma("unroll") for (int j = 0; j < KVREG_VW; ++j)
+                    if (dv0 + j < nv) {
+                        const float8 vv = V_SLICE8(r, dv0 + j);
+                        _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                            if (h < hcnt) acc[h][j] += w[h] * vv;
                     }
             }
+            _Pragma("unroll") for (int h = 0; h < KVREG_HC; ++h)
+                _Pragma("unroll") for (int j = 0; j < KVREG_VW; ++j)
+                    if (h < hcnt && dv0 + j < nv) KVREG_ST8G(acc[h][j], dv0 + j, pacc0 + (size_t)h * nblk * hd);
         }
         return;
     }
