@@ -863,6 +863,9 @@ def _scores8(qg, row0, nheads, kq, ks, nr, scale, E, col):
 
 #: No row scales (:func:`_accumulate_q8` on float rows).
 _NO_SCALES = np.empty(0, np.float32)
+#: No helper-run tasks (:func:`_imp_chunk` reads every task's scores in ``E``).
+_NO_OWNER = np.empty(0, np.int64)
+_NO_SLABS = np.empty((0, 0), np.float32)
 
 
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
@@ -888,13 +891,13 @@ def _accumulate_q8(E, nheads, col, vb, nr, acc_out, vsc, vrow0):
 
 
 @njit(nogil=True, cache=_CACHE)
-def _add_probs(dst, src, cf):
+def _add_probs(dst, src, cf, prob):
     """``dst += src * cf``, each product rounded to float32 first. A fused
     multiply-add would make a group's importance differ in the last bit from
-    the sum of its heads' own probabilities; the products go through a buffer
-    in a loop of their own so no multiply meets its add in one block."""
+    the sum of its heads' own probabilities; the products go through
+    ``prob`` (at least ``len(dst)`` floats) in a loop of their own so no
+    multiply meets its add in one block."""
     n = dst.shape[0]
-    prob = np.empty(n, np.float32)
     for j in range(n):
         prob[j] = src[j] * cf
     for j in range(n):
@@ -1070,11 +1073,16 @@ def _merge_row(o, n, pm, pl, pacc, coef, t0, t1, h, has_sink, sink):
 
 
 @njit(nogil=True, cache=_CACHE)
-def _imp_chunk(imp, a0, a1, firsts, ns, tstart, i0, ngr, hpk, block, E, coef):
+def _imp_chunk(imp, a0, a1, firsts, ns, tstart, i0, ngr, hpk, block, E, coef, owner, slabs):
     """``imp[a0:a1] +=`` the probabilities of groups ``[i0, i0 + ngr)`` of
     the task grid (``firsts``/``ns``/``tstart`` indexed by group), groups
-    then heads in order: the importance pass of every decode kernel."""
+    then heads in order: the importance pass of every decode kernel. A
+    task's scores are ``E[t]``, or, where ``owner[t] >= 0`` (``owner`` may
+    be empty), ``E[t]`` of :func:`partial_slabs` over ``slabs[owner[t]]``:
+    the helper thread that ran it (read where it lies, not copied)."""
     ni = imp.shape[0]
+    ntask = E.shape[0]
+    prob = np.empty(block, np.float32)
     for i in range(i0, i0 + ngr):
         f = firsts[i]
         lo = max(a0, f)
@@ -1088,8 +1096,11 @@ def _imp_chunk(imp, a0, a1, firsts, ns, tstart, i0, ngr, hpk, block, E, coef):
                 b = (p - f) // block
                 t = tstart[i] + b
                 seg_end = min(hi, f + (b + 1) * block)
-                _add_probs(imp[p:seg_end], E[t, h, p - f - b * block:seg_end - f - b * block],
-                           coef[t, h])
+                Et = E
+                if owner.shape[0] > 0 and owner[t] >= 0:
+                    Et = slabs[owner[t], :ntask * hpk * block].reshape((ntask, hpk, block))
+                _add_probs(imp[p:seg_end], Et[t, h, p - f - b * block:seg_end - f - b * block],
+                           coef[t, h], prob)
                 p = seg_end
 
 
@@ -1300,6 +1311,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     c0 = _cycles()
     ran = _run_tasks(state, TASK_CALLER, False, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq,
                      vs, kquant, vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc)
+    owner = np.full(ntask if state.shape[0] > 0 else 0, -1, np.int64)
     if state.shape[0] > 0:
         kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
         vbuf = np.empty((0, hd), np.float32)
@@ -1320,14 +1332,14 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
                              vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc,
                              kbuf, vbuf)
                 continue
-            # done by helper (c - HELPER) // 2: its states, at the same offsets
-            hE, hpm, hpl, hpacc, _ = partial_slabs(helpers[(_claim_of(state, t) - HELPER) // 2], ntask,
-                                                   hpk, block, hd)
+            # done by helper (c - HELPER) // 2: its states, at the same
+            # offsets (its scores stay where they are: the importance pass
+            # reads them there)
+            owner[t] = (_claim_of(state, t) - HELPER) // 2
+            _, hpm, hpl, hpacc, _ = partial_slabs(helpers[owner[t]], ntask, hpk, block, hd)
             pm[t] = hpm[t]
             pl[t] = hpl[t]
             pacc[t] = hpacc[t]
-            if imp.shape[0] > 0:
-                E[t] = hE[t]
 
     # Merge the partial states in block order; coef[t, h] turns a block's
     # exp(s - m_block) into the final probability (used for importance).
@@ -1347,7 +1359,7 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         nchunk = (ni + block - 1) // block
         for c in range(nchunk):
             _imp_chunk(imp, c * block, min(c * block + block, ni), fs, ns, tstart, 0, ngr, hpk, block,
-                       E, coef)
+                       E, coef, owner, helpers)
 
 
 # ---------------------------------------------------------------------------
@@ -1550,7 +1562,7 @@ def attend_batch_kernel(q, hpk, tab, imptab, lens, xlen, b8, kset, vset, window,
         imp = numba.carray(_ptr_as(imptab[b, 0], f_like), (imptab[b, 1],))
         a0 = (c - cstart[b]) * block
         _imp_chunk(imp, a0, min(a0 + block, imp.shape[0]), firsts, ns, tstart, b * nkv, nkv, hpk, block,
-                   E, coef)
+                   E, coef, _NO_OWNER, _NO_SLABS)
 
 
 # ---------------------------------------------------------------------------
