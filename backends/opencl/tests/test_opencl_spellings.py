@@ -87,3 +87,16 @@ def test_inline_and_builtin_spellings_and_one_or_four_work_items_give_the_same_b
         for i, (x, y) in enumerate(zip(out, want)):
             assert x == y, ((inline, local), "output", i)
         assert imps == got[SPELLINGS[0] if local == 1 else SPELLINGS[2]][1], ((inline, local), "importance")
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_the_row_prefetch_changes_no_bit(dev, small_blocks, monkeypatch, mode):
+    """``config.PREFETCH_BYTES`` (cl/common.h, KVREG_PREFETCH) is a hint:
+    the kernels built without it and with another distance than the
+    default answer the same."""
+    c = layer(mode, 64)
+    got = []
+    for ahead in (0, 64):
+        monkeypatch.setattr(config, "PREFETCH_BYTES", ahead)
+        got.append(answers(c, 64, 4))
+    assert got[1] == got[0]
