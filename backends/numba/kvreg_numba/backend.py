@@ -219,7 +219,8 @@ class NumbaBackend(ReferenceBackend):
 
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
-        from .quant import fwht_rows, window_row_step  # numba imported by _load_kernels: its failure is a BackendError there
+        from .quant import fwht_rows  # numba imported by _load_kernels: its failure is a BackendError there
+        from .window import window_row_step
 
         self._fwht_rows = fwht_rows
         self._window_row_step = window_row_step

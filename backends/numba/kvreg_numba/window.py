@@ -1,0 +1,115 @@
+"""The decode append of a q8 (q8k, q8v) storage whose float16 window is
+full, in one call (:meth:`kvreg_numba.backend.NumbaBackend.store_window_row`):
+the bits of :meth:`kvreg.storage.LayerStorage.append_window_row`, with the
+window's rows widened by the decode kernels' own binary16 decode
+(:func:`kvreg_numba.kernels._widen`) and quantized by :mod:`.quant`'s."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .kernels import _CACHE, _widen
+from .quant import _quant_row, fwht_rows
+
+
+@njit(nogil=True, cache=_CACHE)
+def half_bits(x, out):
+    """IEEE binary16 bits (int16) of the float32 row ``x`` into ``out``,
+    rounded to nearest even as numpy's ``astype(np.float16)``: overflow to
+    inf, subnormals, signed zeros; a NaN keeps its payload's top bits
+    (quiet). Integer arithmetic only, the same bits on every CPU."""
+    bits = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        b = np.int64(bits[i])
+        sign = (b >> 16) & 0x8000
+        a = b & 0x7FFFFFFF
+        if a >= 0x7F800000:                      # inf, NaN
+            h = 0x7C00 + (a & 0x7FFFFF) // 8192
+            if a > 0x7F800000 and h == 0x7C00:
+                h += 1
+        elif a >= 0x477FF000:                    # rounds past 65504
+            h = 0x7C00
+        elif a >= 0x38800000:                    # a normal half
+            a -= 0x38000000                      # exponent rebiased 127 -> 15
+            h = (a + 0xFFF + ((a >> 13) & 1)) >> 13
+        elif a > 0x33000000:                     # a subnormal half (or its rounding up to 2^-14)
+            m = (a & 0x7FFFFF) | 0x800000
+            sh = 126 - (a >> 23)
+            h = m >> sh
+            rem = m - (h << sh)
+            half = np.int64(1) << (sh - 1)
+            if rem > half or (rem == half and (h & 1) == 1):
+                h += 1
+        else:                                    # at most 2^-25: zero
+            h = 0
+        h |= sign
+        out[i] = np.int16(h - 0x10000 if h >= 0x8000 else h)
+
+
+@njit(nogil=True, cache=_CACHE)
+def _within(x, bound):
+    for i in range(x.shape[0]):
+        for d in range(x.shape[1]):
+            if not abs(x[i, d]) <= bound:   # NaN compares false
+                return False
+    return True
+
+
+@njit(nogil=True, cache=_CACHE)
+def _window_side(x, th, q, s, group, row):
+    # One quantized side of every head: the window's oldest row into the
+    # integer slot (q [nkv, hd], s [nkv, groups]: the slot's rows), the
+    # window moved up a row, x (stored basis) its newest.
+    nkv, w, hd = th.shape
+    for h in range(nkv):
+        t = th[h]
+        for d in range(hd):
+            row[d] = _widen(t[0, d])   # exact, as the decode reads the window
+        _quant_row(row, group, q[h], s[h])
+        for i in range(w - 1):
+            t[i] = t[i + 1]
+        half_bits(x[h], t[w - 1])
+
+
+@njit(nogil=True, cache=_CACHE)
+def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap, kgroup,
+                    bound):
+    """The decode append of a q8 storage whose float16 window is full
+    (:meth:`kvreg.storage.LayerStorage.append_window_row`'s bits in one
+    call): ``k``/``v`` ``[nkv, hd]`` float32 as given; a side whose window
+    ``thk``/``thv`` (int16 bits ``[nkv, w, hd]``) is empty is stored as
+    float32 rows ``kf``/``vf`` instead. Returns False, having written
+    nothing, when the storage is not in that state (heads at one count ``n
+    >= exact_cap``, ``b8 == n - w`` on each) or a quantized side holds a
+    value beyond ``bound`` (or NaN): the caller's other paths then take the
+    row, or raise."""
+    qk = thk.shape[2] > 0
+    qv = thv.shape[2] > 0
+    nkv, hd = k.shape
+    at = lens[0]
+    p = at - (thk.shape[1] if qk else thv.shape[1])
+    if at < exact_cap:
+        return False
+    for h in range(nkv):
+        if lens[h] != at or b8[h] != p:
+            return False
+    if (qk and not _within(k, bound)) or (qv and not _within(v, bound)):
+        return False
+    scale = np.float32(1.0 / np.sqrt(hd))
+    kr = fwht_rows(k, scale) if rot_k else k
+    vr = fwht_rows(v, scale) if rot_v else v
+    row = np.empty(hd, np.float32)
+    if qk:
+        _window_side(kr, thk, kq[:, p], ks[:, p], kgroup, row)
+    else:
+        kf[:, at] = kr
+    if qv:
+        _window_side(vr, thv, vq[:, p], vs[:, p:p + 1], hd, row)
+    else:
+        vf[:, at] = vr
+    for h in range(nkv):
+        lens[h] = at + 1
+        b8[h] = p + 1
+    imp[seq] = 0.0
+    return True
