@@ -58,7 +58,17 @@ TASK_CHUNK = 4
 #: the host's own threads want for long.
 HELPER_SPIN = 200_000
 
-#: Most query rows per tile of the prefill chunk kernel (per head; the
+#: Panel rows (query rows x the group's heads) of one tile of the
+#: register-tiled prefill kernel (kvreg_numba.chunk), per 64 channels of
+#: hd: its scores (``rows x keys x 4`` bytes) stay in cache between the
+#: score, softmax and value passes, and each packed K block serves
+#: ``rows / 6`` register tiles. One core of a Xeon (AVX-512), 4k chunk from
+#: row 0, ms at 12 / 24 / 48 / 96 rows: 9/3 heads hd 64 176-183 / 171-176 /
+#: 164-179 / 160-175; 4/1 heads hd 256 (per 64 channels: 3 / 6 / 12 / 24)
+#: 344-359 / 294-300 / 266-273 / 250-261. The bits do not depend on it.
+CHUNK_TILE_ROWS = 24
+
+#: Most query rows per tile of the BLAS prefill path (per head; the
 #: group's heads are stacked, so a tile is ``hpk * rows`` GEMM rows against
 #: the keys any row of the tile can see). Thin tiles waste less of the
 #: causal triangle and keep a tile's scores in cache. Measured on one core

@@ -774,6 +774,84 @@ def fexp(x):
     return y if x >= _EXP_LO else _ZERO
 
 
+def _ir_fexp(builder, x):
+    """IR of :func:`fexp` on a float32 scalar or vector ``x``: the same
+    operations in the same order, so the same bits."""
+    t = x.type
+    vec = isinstance(t, ir.VectorType)
+    f32 = ir.FloatType()
+
+    def c(val):
+        val = float(np.float32(val))
+        return ir.Constant(t, [val] * t.count) if vec else ir.Constant(f32, val)
+
+    it = ir.VectorType(ir.IntType(32), t.count) if vec else ir.IntType(32)
+    lo = c(_EXP_LO)
+    xc = builder.select(builder.fcmp_ordered(">", x, lo), x, lo)
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(t, [t]),
+                                           f"llvm.floor.v{t.count}f32" if vec else "llvm.floor.f32")
+    n = builder.call(floor, [builder.fadd(builder.fmul(xc, c(_LOG2E)), c(0.5))])
+    neg = builder.fsub(c(-0.0), n)
+    r = _ir_fma(builder, neg, c(_LN2_HI), xc)
+    r = _ir_fma(builder, neg, c(_LN2_LO), r)
+    p = c(1.9875691500e-4)
+    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = _ir_fma(builder, p, r, c(k))
+    p = builder.fadd(_ir_fma(builder, builder.fmul(p, r), r, r), c(1.0))
+    e = builder.shl(builder.add(builder.fptosi(n, it), ir.Constant(it, [127] * t.count) if vec else
+                                ir.Constant(it, 127)), ir.Constant(it, [23] * t.count) if vec else ir.Constant(it, 23))
+    y = builder.fmul(p, builder.bitcast(e, t))
+    return builder.select(builder.fcmp_ordered(">=", x, lo), y, c(0.0))
+
+
+@intrinsic
+def _exp_sum(typingctx, a, scale, mx):
+    """``a[j] = fexp(a[j] * scale - mx)`` in place over a contiguous 1-D
+    float32 array, returning ``_sum(a)`` of the result (the same lanes,
+    tree and tail order as :func:`_lane_reduce`): one pass instead of two,
+    the exponentials :data:`LANES` wide."""
+    if not (_f32_vector(a) and scale == types.float32 and mx == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        (x,) = _arrays(context, builder, signature.args[:1], args[:1])
+        sc, m = args[1], args[2]
+        f32 = ir.FloatType()
+        vt = ir.VectorType(f32, LANES)
+        i32 = ir.IntType(32)
+        n = builder.extract_value(x.shape, 0)
+        intp = n.type
+        nvec = builder.sdiv(n, ir.Constant(intp, LANES))
+        acc = cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * LANES))
+        vsc = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), sc, ir.Constant(i32, 0)),
+                                     ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        vm = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), m, ir.Constant(i32, 0)),
+                                    ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        with cgutils.for_range(builder, nvec) as loop:
+            ptr = builder.bitcast(builder.gep(x.data, [builder.mul(loop.index, ir.Constant(intp, LANES))]),
+                                  vt.as_pointer())
+            y = _ir_fexp(builder, builder.fsub(builder.fmul(builder.load(ptr, align=4), vsc), vm))
+            builder.store(y, ptr, align=4)
+            builder.store(builder.fadd(builder.load(acc), y), acc)
+        v = builder.load(acc)
+        width = LANES
+        while width > 1:  # _lane_reduce's tree
+            width //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+            v = builder.fadd(lo, hi)
+        total = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(i32, 0)))
+        start = builder.mul(nvec, ir.Constant(intp, LANES))
+        with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (i, _):
+            ptr = builder.gep(x.data, [i])
+            y = _ir_fexp(builder, builder.fsub(builder.fmul(builder.load(ptr), sc), m))
+            builder.store(y, ptr)
+            builder.store(builder.fadd(builder.load(total), y), total)
+        return builder.load(total)
+
+    return types.float32(a, scale, mx), codegen
+
+
 # ---------------------------------------------------------------------------
 # decode attention
 # ---------------------------------------------------------------------------
@@ -1566,8 +1644,9 @@ def attend_batch_kernel(q, hpk, tab, imptab, lens, xlen, b8, kset, vset, window,
 
 
 # ---------------------------------------------------------------------------
-# prefill chunk: the GEMMs run in BLAS (numpy matmul), the masked softmax and
-# the importance column sums here, fused, in place on the score tile
+# prefill chunk: the register-tiled kernel is kvreg_numba.chunk; here the
+# masked softmax it shares and the BLAS path (numpy matmul) that takes a
+# chunk with a non-finite value row or an hd not a multiple of 16
 # ---------------------------------------------------------------------------
 
 
@@ -1576,39 +1655,45 @@ def chunk_softmax(S, scale, s0, i0, bt, klo, window):
     """Causal (and windowed) softmax in place on a score tile ``S [hpk*bt,
     nk]`` whose row ``h*bt + r`` is query row ``i0 + r`` of the chunk and
     whose column ``j`` is key ``klo + j``; masked entries become exactly 0."""
-    m_rows, nk = S.shape
-    for row in prange(m_rows):
-        i = i0 + row % bt
-        end = s0 + i + 1 - klo
-        lo = 0
-        if window > 0:
-            lo = max(0, s0 + i + 1 - window) - klo
-        x = S[row]
-        for j in range(lo):
-            x[j] = _ZERO
-        seg = x[lo:end]
-        # max of the raw scores, then scaled: rounding x * scale (> 0) is
-        # monotonic, so this is the max of the scaled scores exactly
-        mx = _max_nan(seg) * scale
-        if not (mx > _NEG_INF and mx < _POS_INF):
-            # NaN / +inf score, or all -inf: the row's softmax is NaN at
-            # every visible key (docs/kernels.md), 0 at the masked ones.
-            for j in range(end - lo):
-                seg[j] = _NAN
-            tail = x[end:]
-            for j in range(nk - end):
-                tail[j] = _ZERO
-            continue
+    for row in prange(S.shape[0]):
+        softmax_row(S[row], scale, s0 + i0 + row % bt, klo, window, True)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def softmax_row(x, scale, p, klo, window, normalize):
+    """:func:`chunk_softmax` of one score row ``x`` (column ``j`` = key
+    ``klo + j``) of the query at position ``p``: keys ``[max(0, p + 1 -
+    window), p + 1)`` visible. Returns the row's ``1 / sum``, by which the
+    exponentials are multiplied when ``normalize`` (1 when there is none
+    to apply: a NaN row)."""
+    nk = x.shape[0]
+    end = p + 1 - klo
+    lo = 0
+    if window > 0:
+        lo = max(0, p + 1 - window) - klo
+    for j in range(lo):
+        x[j] = _ZERO
+    seg = x[lo:end]
+    inv = np.float32(1.0)
+    # max of the raw scores, then scaled: rounding x * scale (> 0) is
+    # monotonic, so this is the max of the scaled scores exactly
+    mx = _max_nan(seg) * scale
+    if not (mx > _NEG_INF and mx < _POS_INF):
+        # NaN / +inf score, or all -inf: the row's softmax is NaN at
+        # every visible key (docs/kernels.md), 0 at the masked ones.
         for j in range(end - lo):
-            seg[j] = fexp(seg[j] * scale - mx)
-        z = _sum(seg)
+            seg[j] = _NAN
+    else:
+        z = _exp_sum(seg, scale, mx)   # seg[j] = fexp(seg[j] * scale - mx); _sum(seg)
         if z > 0:
             inv = np.float32(1.0) / z
-            for j in range(end - lo):
-                seg[j] *= inv
-        tail = x[end:]
-        for j in range(nk - end):
-            tail[j] = _ZERO
+            if normalize:
+                for j in range(end - lo):
+                    seg[j] *= inv
+    tail = x[end:]
+    for j in range(nk - end):
+        tail[j] = _ZERO
+    return inv
 
 
 @njit(nogil=True, cache=_CACHE)
@@ -2230,14 +2315,27 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
     ``[s0, s0+b)`` of every KV head of ``k``/``v`` (``[nkv, cap, hd]`` f32)
     are the chunk's own rows; row ``i`` sees keys
     ``[max(0, s0+i+1-window), s0+i+1)``. Per KV group and query tile the
-    group's heads are stacked into one GEMM panel and only the keys some row
-    of the tile can see are touched (O(b*(b+w)) for a windowed layer).
-    ``imp`` gets the masked column sums. Returns ``[b, nh, hd]`` float32."""
+    group's heads are stacked into one panel and only the keys some row of
+    the tile can see are touched (O(b*(b+w)) for a windowed layer): in
+    registers (:mod:`kvreg_numba.chunk`) when hd is a multiple of 16 and
+    every value row the chunk sees is finite, else by BLAS. ``imp`` gets the
+    masked column sums. Returns ``[b, nh, hd]`` float32."""
     q = np.asarray(q, dtype=np.float32)
     _, nh, hd = q.shape
     nkv = nh // hpk
     w = int(window or 0)
     n = s0 + b
+    kstart = max(0, s0 + 1 - w) if w else 0
+    if hd % 16 == 0 and b > 0 and all(_all_finite(v[g, kstart:n]) for g in range(nkv)):
+        # The register-tiled kernel (kvreg_numba.chunk); a non-finite value
+        # row takes the path below, which sums only the keys a row sees.
+        from .chunk import chunk_kernel, tile_rows
+        out = np.empty((b, nh, hd), np.float32)
+        bt = tile_rows(hpk, hd)
+        with thread_budget(4 * nh * b * (n - kstart), "chunk") as threads:
+            chunk_kernel(_c(q, np.float32), _c(k, np.float32), _c(v, np.float32), s0, hpk, np.float32(scale), w,
+                         bt, threads, out, _EMPTY_F1 if imp is None else imp[:n])
+        return out
     nk_max = n - (max(0, s0 + 1 - w) if w else 0)
     bt_max = int(q_tile or config.CHUNK_Q_TILE)
     bt_max = max(1, min(bt_max, config.CHUNK_TILE_BYTES // (4 * hpk * max(nk_max, 1))))

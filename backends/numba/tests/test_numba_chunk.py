@@ -1,7 +1,10 @@
-"""Prefill chunk attention against the f64 oracle (tolerance class)."""
+"""Prefill chunk attention against the f64 oracle (tolerance class), and the
+bit invariants of the register-tiled kernel (kvreg_numba.chunk)."""
 
 import numpy as np
 import pytest
+
+import kvreg
 
 from kvreg_numba import kernels as K
 
@@ -54,3 +57,68 @@ def test_tile_byte_cap_shrinks_tiles_evenly(monkeypatch):
     ref = K.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5)
     monkeypatch.setattr(config, "CHUNK_TILE_BYTES", 4 * 2 * (s0 + b) * 7)  # 7 rows per tile at most
     np.testing.assert_allclose(K.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5), ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("hd,nkv,hpk", [(64, 3, 3), (80, 2, 4), (256, 1, 4), (32, 1, 7)])
+@pytest.mark.parametrize("s0,b,window", [(0, 45, None), (70, 33, None), (70, 33, 40)])
+def test_the_tiled_kernel_matches_the_oracle(hd, nkv, hpk, s0, b, window):
+    # hd 80: 64 channels then 16 in the value pass; 7 heads: panels that are
+    # not a multiple of the 6-row register tile; 103 keys: a partial K block.
+    rng = np.random.default_rng(hd + s0 + b)
+    n = s0 + b
+    k = rng.standard_normal((nkv, n + 3, hd)).astype(np.float32)
+    v = rng.standard_normal((nkv, n + 3, hd)).astype(np.float32)
+    q = rng.standard_normal((b, nkv * hpk, hd)).astype(np.float32)
+    out = K.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=hd ** -0.5, window=window)
+    for i in range(0, b, 4):
+        lo = max(0, s0 + i + 1 - window) if window else 0
+        for g in range(nkv):
+            hs = slice(g * hpk, (g + 1) * hpk)
+            o, _ = attend_oracle(q[i, hs], k[g].astype(np.float64), v[g].astype(np.float64),
+                                 scale=hd ** -0.5, first=lo, n=s0 + i + 1)
+            np.testing.assert_allclose(out[i, hs], o, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeypatch, window):
+    # Each score is one chain over the channels, each output channel one over
+    # the keys a row sees (masked keys add exact zeros), whatever tile or
+    # thread computes it: the same rows answer the same bits from one chunk
+    # or two, on 1 or 2 threads, at any tile size, with importance or not.
+    from kvreg_numba import chunk, config
+
+    rng = np.random.default_rng(5)
+    nkv, hpk, hd, n = 2, 3, 64, 300
+    k = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    v = rng.standard_normal((nkv, n, hd), dtype=np.float32)
+    q = rng.standard_normal((n, nkv * hpk, hd), dtype=np.float32)
+
+    def run(s0, b, threads=2, imp=None):
+        out = np.empty((b, nkv * hpk, hd), np.float32)
+        chunk.chunk_kernel(q[s0:s0 + b], k, v, s0, hpk, np.float32(0.125), window or 0,
+                           chunk.tile_rows(hpk, hd), threads, out, np.empty(0, np.float32) if imp is None else imp)
+        return out
+
+    whole = run(0, n)
+    np.testing.assert_array_equal(run(0, n, threads=1), whole)
+    imp = np.zeros(n, np.float32)
+    np.testing.assert_array_equal(run(0, n, imp=imp), whole)
+    assert imp.sum() == pytest.approx(nkv * hpk * n, rel=1e-4)   # every row's probabilities sum to 1
+    np.testing.assert_array_equal(np.concatenate([run(0, 130), run(130, n - 130)]), whole)
+    monkeypatch.setattr(config, "CHUNK_TILE_ROWS", 6)
+    np.testing.assert_array_equal(run(0, n), whole)
+    kvreg.set_num_threads(2)
+    try:
+        np.testing.assert_array_equal(K.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+    finally:
+        kvreg.set_num_threads(None)
+
+
+def test_a_non_finite_value_row_takes_the_path_that_sums_visible_keys_only():
+    # 0 x inf in a register tile would reach rows that cannot see the row.
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((1, 60, 32), dtype=np.float32)
+    v = rng.standard_normal((1, 60, 32), dtype=np.float32)
+    v[0, 40] = np.inf
+    out = K.attend_chunk(rng.standard_normal((60, 2, 32), dtype=np.float32), k, v, s0=0, b=60, hpk=2, scale=0.2)
+    assert np.isfinite(out[:40]).all() and not np.isfinite(out[40:]).any()
