@@ -2333,7 +2333,9 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
         out = np.empty((b, nh, hd), np.float32)
         bt = tile_rows(hpk, hd)
         with thread_budget(4 * nh * b * (n - kstart), "chunk") as threads:
-            chunk_kernel(_c(q, np.float32), _c(k, np.float32), _c(v, np.float32), s0, hpk, np.float32(scale), w,
+            # q as it comes (a model's [n, nh, hd] is a transposed view): the
+            # kernel gathers each tile's rows itself, so no copy of the chunk
+            chunk_kernel(q, _c(k, np.float32), _c(v, np.float32), s0, hpk, np.float32(scale), w,
                          bt, threads, out, _EMPTY_F1 if imp is None else imp[:n])
         return out
     nk_max = n - (max(0, s0 + 1 - w) if w else 0)

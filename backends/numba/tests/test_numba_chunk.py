@@ -110,6 +110,8 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
     kvreg.set_num_threads(2)
     try:
         np.testing.assert_array_equal(K.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+        qt = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)   # a model's [n, nh, hd] view, read in place
+        np.testing.assert_array_equal(K.attend_chunk(qt, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
     finally:
         kvreg.set_num_threads(None)
 
