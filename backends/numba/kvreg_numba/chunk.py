@@ -48,6 +48,26 @@ def _splat(builder, s):
     return builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
 
 
+def _load_vecs(builder, base, nvec):
+    intp = ir.IntType(64)
+    return [builder.load(_vec(builder, base, ir.Constant(intp, LANES * c)), align=4) for c in range(nvec)]
+
+
+def _store_vecs(builder, accs, base):
+    intp = ir.IntType(64)
+    for c, acc in enumerate(accs):
+        builder.store(builder.load(acc), _vec(builder, base, ir.Constant(intp, LANES * c)), align=4)
+
+
+def _outer_fma(builder, accs, rows, k, vecs):
+    """``accs[r][c] = fma(rows[r][k], vecs[c], accs[r][c])``: one rank-1
+    step of a register tile (a row's scalar broadcast to every vector)."""
+    for r, row in enumerate(rows):
+        b = _splat(builder, builder.load(builder.gep(row, [k])))
+        for c, x in enumerate(vecs):
+            builder.store(_ir_fma(builder, b, x, builder.load(accs[r][c])), accs[r][c])
+
+
 @intrinsic
 def _scores(typingctx, P, i, kp, jb, S, c0):
     """``S[i + r, c0 + t] = sum_d P[i + r, d] * kp[jb, d, t]`` for ``r <
@@ -69,15 +89,10 @@ def _scores(typingctx, P, i, kp, jb, S, c0):
         with cgutils.for_range(builder, hd) as loop:
             d = loop.index
             krow = builder.gep(kblock, [builder.mul(d, ir.Constant(intp, KEYS))])
-            kv = [builder.load(_vec(builder, krow, ir.Constant(intp, LANES * c)), align=4) for c in range(nvec)]
-            for r in range(ROWS):
-                b = _splat(builder, builder.load(builder.gep(prow[r], [d])))
-                for c in range(nvec):
-                    builder.store(_ir_fma(builder, b, kv[c], builder.load(accs[r][c])), accs[r][c])
+            _outer_fma(builder, accs, prow, d, _load_vecs(builder, krow, nvec))
         for r in range(ROWS):
-            srow = builder.gep(sa.data, [builder.add(builder.mul(builder.add(i_, ir.Constant(intp, r)), lds), c0_)])
-            for c in range(nvec):
-                builder.store(builder.load(accs[r][c]), _vec(builder, srow, ir.Constant(intp, LANES * c)), align=4)
+            _store_vecs(builder, accs[r],
+                        builder.gep(sa.data, [builder.add(builder.mul(builder.add(i_, ir.Constant(intp, r)), lds), c0_)]))
         return context.get_dummy_value()
 
     return types.void(P, i, kp, jb, S, c0), codegen
@@ -111,15 +126,9 @@ def _values_kernel(nvec):
             srow = [builder.gep(sa.data, [builder.mul(builder.add(i_, ir.Constant(intp, r)), lds)]) for r in range(ROWS)]
             with cgutils.for_range_slice(builder, j0_, j1_, ir.Constant(intp, 1)) as (j, _):
                 vrow = builder.gep(va.data, [builder.add(builder.mul(builder.add(v0_, j), hd), c0_)])
-                vv = [builder.load(_vec(builder, vrow, ir.Constant(intp, LANES * c)), align=4) for c in range(nvec)]
-                for r in range(ROWS):
-                    b = _splat(builder, builder.load(builder.gep(srow[r], [j])))
-                    for c in range(nvec):
-                        builder.store(_ir_fma(builder, b, vv[c], builder.load(accs[r][c])), accs[r][c])
+                _outer_fma(builder, accs, srow, j, _load_vecs(builder, vrow, nvec))
             for r in range(ROWS):
-                for c in range(nvec):
-                    builder.store(builder.load(accs[r][c]), _vec(builder, orow[r], ir.Constant(intp, LANES * c)),
-                                  align=4)
+                _store_vecs(builder, accs[r], orow[r])
             return context.get_dummy_value()
 
         return types.void(S, i, j0, j1, V, v0, c0, O, first), codegen
