@@ -652,31 +652,39 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         # q8, q4, f16, bf16: widen only the key range the chunk reads, once per call; the
         # kernel's masks are relative to its first row, so it sees the same rows.
         lo = min(max(0, s0 + 1 - window), n) if window else 0
-        k, v = self._widened_rows(lo, n)
         f = self._fresh
-        if f is not None and (f[0], f[1]) == (self._st.version, n):
-            # The chunk's own rows as it handed them over (vLLM's prefill, too,
-            # attends the fresh K/V and quantizes them for the cache): under a
-            # float16 window the newest rows are near-exact, and a prefill
-            # chunk's rows are all the newest.
-            a = max(lo, n - f[2].shape[1])
-            k[:, a - lo: n - lo] = f[2][:, a - (n - f[2].shape[1]):]
-            v[:, a - lo: n - lo] = f[3][:, a - (n - f[3].shape[1]):]
+        # The chunk's own rows as it handed them over (vLLM's prefill, too,
+        # attends the fresh K/V and quantizes them for the cache): under a
+        # float16 window the newest rows are near-exact, and a prefill
+        # chunk's rows are all the newest. Rows [a, n) are those; only the
+        # older rows [lo, a) are widened.
+        fresh = f is not None and (f[0], f[1]) == (self._st.version, n)
+        a = max(lo, n - f[2].shape[1]) if fresh else n
+        if fresh and a == lo:
+            k = np.ascontiguousarray(f[2][:, a - (n - f[2].shape[1]):])   # no copy when it is all of them
+            v = np.ascontiguousarray(f[3][:, a - (n - f[3].shape[1]):])
+        else:
+            k, v = self._widened_rows(lo, n, a)
+            if fresh:
+                k[:, a - lo:] = f[2][:, a - (n - f[2].shape[1]):]
+                v[:, a - lo:] = f[3][:, a - (n - f[3].shape[1]):]
         view = LayerStorage.of_rows(k, v).view()
         out = self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
                                         imp=None if imp is None else imp[lo:])
         self._o1_record(q)
         return out
 
-    def _widened_rows(self, lo: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """This layer's rows ``[lo, n)`` as float32 ``[nkv, n-lo, hd]`` K and V
-        (dequantized, widened, un-rotated)."""
+    def _widened_rows(self, lo: int, n: int, upto: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Float32 ``[nkv, n-lo, hd]`` K and V blocks for this layer's rows
+        ``[lo, n)``, rows ``[lo, upto)`` filled (dequantized, widened,
+        un-rotated; ``upto`` None = ``n``), the rest left to the caller."""
+        upto = n if upto is None else upto
         src = self._st.view()
         shape = (self.num_kv_heads, n - lo, self.head_dim)
         k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
         for h in range(self.num_kv_heads):
-            k[h] = self._basis(src.rot_k, src.attended_rows("k", h, lo, n))
-            v[h] = self._basis(src.rot_v, src.attended_rows("v", h, lo, n))
+            k[h, :upto - lo] = self._basis(src.rot_k, src.attended_rows("k", h, lo, upto))
+            v[h, :upto - lo] = self._basis(src.rot_v, src.attended_rows("v", h, lo, upto))
         return k, v
 
     def accumulate_imp(self, probs) -> None:

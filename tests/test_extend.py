@@ -151,3 +151,32 @@ def test_attend_chunk_without_importance_answers_the_same_and_leaves_importance_
     assert without.imp.tobytes() == before.tobytes() and not np.array_equal(with_imp.imp, before)
     with pytest.raises(ShapeError, match="importance must be True or False"):
         without.attend_chunk(q, b=24, s0=16, heads_per_kv=2, importance="no")
+
+
+@pytest.mark.parametrize("backend", startable_backends(("reference", "numba")))
+def test_a_q8_chunk_attends_its_own_rows_as_handed_over_and_older_rows_widened(backend):
+    # Under q8's float16 window, attend_chunk after the extend that stored the
+    # chunk reads the chunk's rows as the extend received them (float32) and
+    # only the older rows from storage: the first chunk answers what an F32
+    # layer answers, bit for bit; the second what the kernel answers on the
+    # older rows widened followed by the new rows exactly.
+    from kvreg import get_backend
+    from kvreg.storage import LayerStorage
+
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((70, 2, 32), dtype=np.float32)
+    v = rng.standard_normal((70, 2, 32), dtype=np.float32)
+    q = rng.standard_normal((70, 4, 32), dtype=np.float32)
+    q8, f32 = LayerKvCache(2, 32, "q8", backend), LayerKvCache(2, 32, "f32", backend)
+    for lay in (q8, f32):
+        lay.extend(k[:40], v[:40])
+    first = q8.attend_chunk(q[:40], b=40, s0=0, heads_per_kv=2, importance=False)
+    assert first.tobytes() == f32.attend_chunk(q[:40], b=40, s0=0, heads_per_kv=2, importance=False).tobytes()
+    q8.extend(k[40:], v[40:])
+    old_k, old_v = q8._widened_rows(0, 40)   # rows [0, 40) as storage now holds them
+    second = q8.attend_chunk(q[40:], b=30, s0=40, heads_per_kv=2, importance=False)
+    rows = LayerStorage.of_rows(np.concatenate([old_k, k[40:].transpose(1, 0, 2)], axis=1),
+                                np.concatenate([old_v, v[40:].transpose(1, 0, 2)], axis=1))
+    want = get_backend(backend).attend_chunk(q[40:], rows.view(), s0=40, b=30, hpk=2, scale=q8.default_scale)
+    assert second.tobytes() == want.tobytes()
+    assert not np.array_equal(old_k, k[:40].transpose(1, 0, 2))   # the older rows really are q8's
