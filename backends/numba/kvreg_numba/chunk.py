@@ -31,6 +31,10 @@ LANES = 16
 ROWS = 6
 #: Keys of a packed K block: two 16-lane vectors of scores per panel row.
 KEYS = 32
+#: Lanes of a chunk that collects importance: a fixed count (not the
+#: thread count), each with its own column sums, so the sums' order and
+#: bits do not follow the threads; at most this many workers run it.
+IMP_LANES = 8
 #: Keys of a value-pass block: their rows stay in L1 while every register
 #: tile of the panel runs over them (4 x 16-lane channels: 32 KiB at hd 64).
 V_KEYS = 128
@@ -205,10 +209,13 @@ def _tile(q, g, hpk, i0, bt, s0, w, kstart, kp, v, scale, P, S, O, inv, out):
 def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     """Causal (windowed when ``w > 0``) attention of the chunk ``q [b, nh,
     hd]`` at rows ``[s0, s0 + b)`` of ``k``/``v`` (``[nkv, cap, hd]``
-    float32, C-contiguous; ``hd`` a multiple of 16) into ``out``. ``imp``
-    (length 0 = none) gets each key's probability column sums, tile after
-    tile in order (the tiles then run on the calling thread); else the
-    tiles are dealt round-robin to ``threads`` parallel workers."""
+    float32, C-contiguous; ``hd`` a multiple of 16) into ``out``; ``imp``
+    (length 0 = none) gets each key's probability column sums. The tiles are
+    dealt round-robin to lanes (tile ``t`` to lane ``t % lanes``) run by
+    ``threads`` parallel workers. With importance there are always
+    :data:`IMP_LANES` lanes, each summing its tiles' columns in tile and row
+    order, added to ``imp`` in lane order: the same bits on any thread
+    count."""
     b, _, hd = q.shape
     nkv = k.shape[0]
     n = s0 + b
@@ -218,31 +225,33 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     mp = -(-(hpk * bt) // ROWS) * ROWS
     ntile = (b + bt - 1) // bt
     ncol_max = n - kstart + KEYS
-    nt = 1 if imp.shape[0] > 0 else max(1, min(threads, ntile))
-    P = np.empty((nt, mp, hd), np.float32)
-    S = np.empty((nt, mp, ncol_max), np.float32)
-    O = np.empty((nt, mp, hd), np.float32)
-    inv = np.empty((nt, mp), np.float32)
+    ni = min(imp.shape[0], n)
+    has_imp = ni > kstart
+    lanes = IMP_LANES if has_imp else max(1, min(threads, ntile))
+    P = np.empty((lanes, mp, hd), np.float32)
+    S = np.empty((lanes, mp, ncol_max), np.float32)
+    O = np.empty((lanes, mp, hd), np.float32)
+    inv = np.empty((lanes, mp), np.float32)
+    part = np.zeros((lanes if has_imp else 0, max(ni - kstart, 0)), np.float32)
     for g in range(nkv):
         _pack_keys(k, g, kstart, n, kp)
-        if nt == 1:
-            for t in range(ntile):
+        for lane in prange(lanes):   # tiles lane, lane + lanes, ...: costs interleave along the causal triangle
+            for t in range(lane, ntile, lanes):
                 i0 = t * bt
                 m = hpk * min(bt, b - i0)
-                col0, ncol = _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[0], S[0], O[0],
-                                   inv[0], out)
-                ni = min(imp.shape[0], col0 + ncol)
-                if ni > col0:
-                    probs = S[0, :m, :ni - col0]
+                col0, ncol = _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[lane], S[lane],
+                                   O[lane], inv[lane], out)
+                c1 = min(ni, col0 + ncol)
+                if has_imp and c1 > col0:
+                    probs = S[lane, :m, :c1 - col0]
                     for row in range(m):
-                        probs[row] *= inv[0, row]
-                    column_sums_into(probs, imp[col0:ni])
-        else:
-            for th in prange(nt):   # tiles th, th + nt, ...: costs interleave along the causal triangle
-                for t in range(th, ntile, nt):
-                    i0 = t * bt
-                    _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[th], S[th], O[th], inv[th],
-                          out)
+                        probs[row] *= inv[lane, row]
+                    column_sums_into(probs, part[lane, col0 - kstart:c1 - kstart])
+    for lane in range(part.shape[0]):
+        dst = imp[kstart:ni]
+        src = part[lane]
+        for j in range(dst.shape[0]):
+            dst[j] += src[j]
 
 
 def tile_rows(hpk: int, hd: int) -> int:

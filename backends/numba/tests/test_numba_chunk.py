@@ -1,6 +1,7 @@
 """Prefill chunk attention against the f64 oracle (tolerance class), and the
 bit invariants of the register-tiled kernel (kvreg_numba.chunk)."""
 
+import numba
 import numpy as np
 import pytest
 
@@ -95,8 +96,13 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
 
     def run(s0, b, threads=2, imp=None):
         out = np.empty((b, nkv * hpk, hd), np.float32)
-        chunk.chunk_kernel(q[s0:s0 + b], k, v, s0, hpk, np.float32(0.125), window or 0,
-                           chunk.tile_rows(hpk, hd), threads, out, np.empty(0, np.float32) if imp is None else imp)
+        old = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))   # the workers, as thread_budget sets them
+        try:
+            chunk.chunk_kernel(q[s0:s0 + b], k, v, s0, hpk, np.float32(0.125), window or 0,
+                               chunk.tile_rows(hpk, hd), threads, out, np.empty(0, np.float32) if imp is None else imp)
+        finally:
+            numba.set_num_threads(old)
         return out
 
     whole = run(0, n)
@@ -104,6 +110,9 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
     imp = np.zeros(n, np.float32)
     np.testing.assert_array_equal(run(0, n, imp=imp), whole)
     assert imp.sum() == pytest.approx(nkv * hpk * n, rel=1e-4)   # every row's probabilities sum to 1
+    imp1 = np.zeros(n, np.float32)
+    run(0, n, threads=1, imp=imp1)
+    np.testing.assert_array_equal(imp1, imp)   # fixed lanes: the sums' order follows no thread count
     np.testing.assert_array_equal(np.concatenate([run(0, 130), run(130, n - 130)]), whole)
     monkeypatch.setattr(config, "CHUNK_TILE_ROWS", 6)
     np.testing.assert_array_equal(run(0, n), whole)
