@@ -1,5 +1,5 @@
 """The prefill chunk's attention in registers: register-tiled score and
-value products (explicit 16-lane fused multiply-adds), the masked softmax
+value products (explicit vector fused multiply-adds), the masked softmax
 between them, one compiled call for the whole chunk.
 
 A tile is ``hpk * bt`` panel rows (the group's heads stacked, row ``h*bt +
@@ -24,19 +24,26 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import config
-from .kernels import _CACHE, _ir_fma, column_sums_into, softmax_row
+from .kernels import _CACHE, _ir_fma, _target_has, column_sums_into, softmax_row
 
-LANES = 16
-#: Panel rows of one register tile (6 x 2 score vectors, 6 x 4 value vectors).
+#: float32 lanes of a vector register: 16 where the target has AVX-512, else
+#: 8 (AVX2's ymm; numba's on-disk cache is keyed on the CPU features). The
+#: width decides only which products share an instruction, never a bit.
+LANES = 16 if _target_has("avx512f") else 8
+#: Panel rows of one register tile: 6 x 2 score vectors and 6 x :data:`V_VECS`
+#: value vectors of accumulators, within the register file (32 zmm, 16 ymm).
 ROWS = 6
-#: Keys of a packed K block: two 16-lane vectors of scores per panel row.
-KEYS = 32
+#: Keys of a packed K block: two vectors of scores per panel row.
+KEYS = 2 * LANES
+#: Vectors of a value tile's row: 64 output channels at a time on AVX-512,
+#: 16 on AVX2.
+V_VECS = 4 if LANES == 16 else 2
 #: Lanes of a chunk that collects importance: a fixed count (not the
 #: thread count), each with its own column sums, so the sums' order and
 #: bits do not follow the threads; at most this many workers run it.
 IMP_LANES = 8
 #: Keys of a value-pass block: their rows stay in L1 while every register
-#: tile of the panel runs over them (4 x 16-lane channels: 32 KiB at hd 64).
+#: tile of the panel runs over them (32 KiB at hd 64).
 V_KEYS = 128
 
 
@@ -140,7 +147,7 @@ def _values_kernel(nvec):
     return values
 
 
-_values4 = _values_kernel(4)
+_values_wide = _values_kernel(V_VECS)
 _values1 = _values_kernel(1)
 
 
@@ -189,9 +196,9 @@ def _tile(q, g, hpk, i0, bt, s0, w, kstart, kp, v, scale, P, S, O, inv, out):
         j1 = min(j0 + V_KEYS, ncol)
         for i in range(0, mp, ROWS):
             c = 0
-            while c + 4 * LANES <= hd:   # 64 channels at a time, then 16 (an hd not a multiple of 64)
-                _values4(S, i, j0, j1, vg, col0, c, O, j0 == 0)
-                c += 4 * LANES
+            while c + V_VECS * LANES <= hd:   # V_VECS vectors of channels at a time, then one
+                _values_wide(S, i, j0, j1, vg, col0, c, O, j0 == 0)
+                c += V_VECS * LANES
             while c < hd:
                 _values1(S, i, j0, j1, vg, col0, c, O, j0 == 0)
                 c += LANES

@@ -133,3 +133,44 @@ def test_a_non_finite_value_row_takes_the_path_that_sums_visible_keys_only():
     v[0, 40] = np.inf
     out = K.attend_chunk(rng.standard_normal((60, 2, 32), dtype=np.float32), k, v, s0=0, b=60, hpk=2, scale=0.2)
     assert np.isfinite(out[:40]).all() and not np.isfinite(out[40:]).any()
+
+
+_WIDTH_PROBE = """
+import sys
+import numpy as np
+from kvreg_numba import chunk, kernels as K
+rng = np.random.default_rng(4)
+k = rng.standard_normal((2, 300, 80), dtype=np.float32)
+v = rng.standard_normal((2, 300, 80), dtype=np.float32)
+q = rng.standard_normal((300, 6, 80), dtype=np.float32)
+imp = np.zeros(300, np.float32)
+o = K.attend_chunk(q, k, v, s0=0, b=300, hpk=3, scale=0.125, window=100, imp=imp)
+sys.stdout.write(f"{chunk.LANES} {o.tobytes().hex()} {imp.tobytes().hex()}")
+"""
+
+
+def test_the_tiles_give_the_same_bits_on_avx2_as_on_avx512(tmp_path):
+    # The vector width decides which products share an instruction, never
+    # an operation's order: an AVX2 compile (8 lanes, 6 x 2 value vectors)
+    # answers an AVX-512 one's bits. numba compiles for NUMBA_CPU_FEATURES.
+    import os
+    import subprocess
+    import sys
+
+    from numba.core.codegen import get_host_cpu_features
+
+    feats = str(get_host_cpu_features()).split(",")
+    if "+avx512f" not in feats:
+        pytest.skip("the host has no AVX-512 to compare an AVX2 compile with")
+    avx2 = ",".join("-" + f[1:] if f.startswith(("+avx512", "+avx10", "+amx")) else f for f in feats)
+
+    def probe(features):
+        env = dict(os.environ)
+        if features:   # compiled into a cache of its own (the host's stays warm)
+            env.update(NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=str(tmp_path))
+        return subprocess.run([sys.executable, "-c", _WIDTH_PROBE], env=env, check=True, capture_output=True,
+                              text=True, timeout=600).stdout.split()
+
+    wide, narrow = probe(None), probe(avx2)
+    assert (wide[0], narrow[0]) == ("16", "8")
+    assert wide[1:] == narrow[1:]
