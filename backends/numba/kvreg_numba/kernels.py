@@ -35,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import pick, threads_for
+from kvreg.threads import pick
 
 from . import config
 from .blas import one_blas_thread
@@ -2056,20 +2056,26 @@ def _run(nbytes, nfloats, *args):
     # call is shared with helper threads that claim tasks from ``state``;
     # every task writes its own slot and the merge runs in block order, so
     # who ran a task cannot change a bit.
-    # No measured choice of the count (kvreg.threads.Chooser): beside a
-    # busy process a helper without a core costs the caller one block at
-    # most, so the budget never loses to one thread by much.
-    n = min(threads_for(nbytes), numba.config.NUMBA_NUM_THREADS)
+    # Under the default budget the count is measured (kvreg.threads.Chooser,
+    # kind "numba.decode"): beside a busy process a helper without a core
+    # costs the caller one block at most, but inside a torch host on as many
+    # threads as cores, torch's OpenMP workers spin after each op and the
+    # caller or its helper shares a core with one (SmolLM2 at 4k rows, 2
+    # cores: ~24 ms of attention a token on two threads, ~20 on one).
+    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
+    t0 = time.perf_counter_ns() if chooser is not None else 0
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
     if n < 2 or ntask < 2:
         attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
-        return
-    hs = _helper_scratch(n - 1, nfloats)
-    claims = np.zeros(ntask, np.int64)
-    _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
-    attend_groups(*args, scratch, claims, hs)
+    else:
+        hs = _helper_scratch(n - 1, nfloats)
+        claims = np.zeros(ntask, np.int64)
+        _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
+        attend_groups(*args, scratch, claims, hs)
+    if chooser is not None:
+        chooser.record(n, budget, nbytes, time.perf_counter_ns() - t0)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,

@@ -99,6 +99,35 @@ def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
     assert posted and set(posted) == {1}
 
 
+@pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
+def test_under_the_default_budget_the_decode_runs_the_count_measured_faster(monkeypatch):
+    # Inside a torch host on as many threads as cores, torch's OpenMP workers
+    # spin after each op and a helper costs more than it brings: the decode
+    # measures both counts (kvreg.threads.Chooser) and runs the faster.
+    import time
+
+    from kvreg import threads
+
+    lay = kvreg.LayerKvCache(8, 128, "f32", "numba")
+    x = np.ones((4096, 8, 128), np.float32)
+    lay.extend(x, x)
+    q = np.ones((32, 128), np.float32)
+    monkeypatch.delenv("KVREG_THREADS", raising=False)
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    monkeypatch.setattr(threads, "_choosers", {})
+    ch = threads.chooser("numba.decode")
+    now = time.monotonic()
+    ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}   # two threads measured slower
+    posted = []
+    real = K._helpers.post
+    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    lay.attend_layer(q)
+    assert not posted and ch.last[1] > now      # one thread, timed for the chooser
+    ch.cost[2] = 0.5                            # a probe found two faster again
+    lay.attend_layer(q)
+    assert posted == [1] and ch.last[2] > now
+
+
 _CHILD = """
 import os, sys, numpy as np, kvreg
 kvreg.set_num_threads(2)
