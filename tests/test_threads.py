@@ -93,6 +93,10 @@ def test_the_chooser_runs_the_budget_on_a_quiet_machine_and_one_thread_beside_a_
     assert busy[-1500:].count(2) <= 6, "a slow count is retried less and less often"
     again = _run(ch, clock, {1: 1.0, 2: 0.75}, 2000)       # quiet again: the threads come back
     assert again[-1000:].count(2) > 950   # back within one probe interval (at most PROBE_MAX)
+    close = _run(ch, clock, {1: 1.0, 2: 1.05}, 400)        # one thread barely faster: within the noise
+    assert close[-300:].count(2) > 250
+    clear = _run(ch, clock, {1: 1.0, 2: 1.25}, 400)        # a torch host's spinning workers: clearly faster
+    assert clear[-300:].count(1) > 250
 
 
 def test_an_explicit_budget_is_used_as_given_and_small_work_on_one_thread(monkeypatch):
