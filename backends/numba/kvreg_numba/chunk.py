@@ -24,7 +24,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import config
-from .kernels import _CACHE, _ir_fma, _target_has, column_sums_into, softmax_row
+from .kernels import _CACHE, _broadcast, _ir_fma, _target_has, column_sums_into, softmax_row
 
 #: float32 lanes of a vector register: 16 where the target has AVX-512, else
 #: 8 (AVX2's ymm; numba's on-disk cache is keyed on the CPU features). The
@@ -52,13 +52,6 @@ def _vec(builder, base, off):
     return builder.bitcast(builder.gep(base, [off]), vt.as_pointer())
 
 
-def _splat(builder, s):
-    vt = ir.VectorType(ir.FloatType(), LANES)
-    i32 = ir.IntType(32)
-    b = builder.insert_element(ir.Constant(vt, ir.Undefined), s, ir.Constant(i32, 0))
-    return builder.shuffle_vector(b, b, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
-
-
 def _load_vecs(builder, base, nvec):
     intp = ir.IntType(64)
     return [builder.load(_vec(builder, base, ir.Constant(intp, LANES * c)), align=4) for c in range(nvec)]
@@ -74,7 +67,7 @@ def _outer_fma(builder, accs, rows, k, vecs):
     """``accs[r][c] = fma(rows[r][k], vecs[c], accs[r][c])``: one rank-1
     step of a register tile (a row's scalar broadcast to every vector)."""
     for r, row in enumerate(rows):
-        b = _splat(builder, builder.load(builder.gep(row, [k])))
+        b = _broadcast(builder, builder.load(builder.gep(row, [k])), ir.VectorType(ir.FloatType(), LANES))
         for c, x in enumerate(vecs):
             builder.store(_ir_fma(builder, b, x, builder.load(accs[r][c])), accs[r][c])
 

@@ -818,29 +818,18 @@ def _exp_sum(typingctx, a, scale, mx):
         sc, m = args[1], args[2]
         f32 = ir.FloatType()
         vt = ir.VectorType(f32, LANES)
-        i32 = ir.IntType(32)
         n = builder.extract_value(x.shape, 0)
         intp = n.type
         nvec = builder.sdiv(n, ir.Constant(intp, LANES))
         acc = cgutils.alloca_once_value(builder, ir.Constant(vt, [0.0] * LANES))
-        vsc = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), sc, ir.Constant(i32, 0)),
-                                     ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
-        vm = builder.shuffle_vector(builder.insert_element(ir.Constant(vt, ir.Undefined), m, ir.Constant(i32, 0)),
-                                    ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        vsc, vm = _broadcast(builder, sc, vt), _broadcast(builder, m, vt)
         with cgutils.for_range(builder, nvec) as loop:
             ptr = builder.bitcast(builder.gep(x.data, [builder.mul(loop.index, ir.Constant(intp, LANES))]),
                                   vt.as_pointer())
             y = _ir_fexp(builder, builder.fsub(builder.fmul(builder.load(ptr, align=4), vsc), vm))
             builder.store(y, ptr, align=4)
             builder.store(builder.fadd(builder.load(acc), y), acc)
-        v = builder.load(acc)
-        width = LANES
-        while width > 1:  # _lane_reduce's tree
-            width //= 2
-            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
-            v = builder.fadd(lo, hi)
-        total = cgutils.alloca_once_value(builder, builder.extract_element(v, ir.Constant(i32, 0)))
+        total = cgutils.alloca_once_value(builder, _ir_tree_sums(builder, [builder.load(acc)])[0])
         start = builder.mul(nvec, ir.Constant(intp, LANES))
         with cgutils.for_range_slice(builder, start, n, ir.Constant(intp, 1)) as (i, _):
             ptr = builder.gep(x.data, [i])
