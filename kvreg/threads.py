@@ -135,6 +135,19 @@ def threads_for(work_bytes: int) -> int:
     return get_num_threads()
 
 
+def torch_spins() -> bool:
+    """Whether torch is loaded with more than one intra-op thread: its
+    OpenMP workers spin after each op (libgomp's default wait policy), so
+    a kernel's extra threads share cores with them (docs/threads.md)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        return int(torch.get_num_threads()) > 1
+    except Exception:  # a half-imported or stubbed torch
+        return False
+
+
 def explicit_threads() -> int | None:
     """The budget a caller set (:func:`set_num_threads`, ``KVREG_THREADS``), or None."""
     return _override if _override is not None else env_threads()
@@ -149,7 +162,14 @@ class Chooser:
     a probe that came within :data:`PROBE_SLACK` of the chosen count, twice
     the previous interval (up to :data:`PROBE_MAX`) after one that did not. So
     a machine that turns quiet again gets its threads back within seconds,
-    and a busy one pays for at most one slow probe every few seconds."""
+    and a busy one pays for at most one slow probe every few seconds.
+
+    The first call after a switch of count only warms it up and is not
+    measured; the count runs once more for the sample. That call pays what
+    the steady state does not: helper threads asleep since the last switch
+    (kvreg-numba's decode: ~60 µs to wake), a first compile (163 ms for
+    its first two-thread call, which kept a 1.5 MB decode on one thread for
+    seconds: a small call 1.7-1.9x its bytes' time + 10 µs against 1.5-1.6x)."""
 
     PROBE_MIN = 0.25
     PROBE_MAX = 8.0
@@ -167,26 +187,42 @@ class Chooser:
         self.cost: dict[int, float] = {}        # threads -> average ns per byte
         self.interval: dict[int, float] = {}    # threads -> seconds between probes
         self.last: dict[int, float] = {}        # threads -> when last run
+        self._now = None                        # the count of the last choice
+        self._warm = None                       # a count whose next sample is a warm-up
+        self._again = None                      # the count the next choice repeats
         self._lock = threading.Lock()
 
     def choose(self, budget: int) -> int:
         if budget <= 1:
             return 1
         with self._lock:
-            for n in (budget, 1):               # measure each once, the budget first
-                if n not in self.cost:
-                    return n
-            best = 1 if self.cost[1] < self.PREFER_BUDGET * self.cost[budget] else budget
-            other = 1 if best == budget else budget
-            if self.clock() - self.last[other] >= self.interval.get(other, self.PROBE_MIN):
-                return other
-            return best
+            if self._again is not None:         # after a warm-up call: the measured one
+                n, self._again = self._again, None
+                return n
+            n = self._pick(budget)
+            if n != self._now:
+                self._warm = n
+            self._now = n
+            return n
+
+    def _pick(self, budget: int) -> int:
+        for n in (budget, 1):                   # measure each once, the budget first
+            if n not in self.cost:
+                return n
+        best = 1 if self.cost[1] < self.PREFER_BUDGET * self.cost[budget] else budget
+        other = 1 if best == budget else budget
+        if self.clock() - self.last[other] >= self.interval.get(other, self.PROBE_MIN):
+            return other
+        return best
 
     def record(self, n: int, budget: int, work_bytes: int, ns: int) -> None:
         if budget <= 1 or work_bytes <= 0:
             return
         c = ns / work_bytes
         with self._lock:
+            if n == self._warm:                 # a switch's first call: not a sample
+                self._warm, self._again = None, n
+                return
             other = 1 if n == budget else budget
             old = self.cost.get(n)
             probe = old is not None and other in self.cost and self.cost[other] < old

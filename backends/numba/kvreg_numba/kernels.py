@@ -35,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import pick
+from kvreg.threads import pick, threads_for, torch_spins
 
 from . import config
 from .blas import one_blas_thread
@@ -2045,13 +2045,16 @@ def _run(nbytes, nfloats, *args):
     # call is shared with helper threads that claim tasks from ``state``;
     # every task writes its own slot and the merge runs in block order, so
     # who ran a task cannot change a bit.
-    # Under the default budget the count is measured (kvreg.threads.Chooser,
-    # kind "numba.decode"): beside a busy process a helper without a core
-    # costs the caller one block at most, but inside a torch host on as many
-    # threads as cores, torch's OpenMP workers spin after each op and the
+    # Beside a busy process a helper without a core costs the caller one
+    # block at most, so the budget runs unmeasured; but inside a torch host
+    # on several threads torch's OpenMP workers spin after each op and the
     # caller or its helper shares a core with one (SmolLM2 at 4k rows, 2
-    # cores: ~24 ms of attention a token on two threads, ~20 on one).
-    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
+    # cores: ~24 ms of attention a token on two threads, ~20 on one): there
+    # the default budget is measured (kvreg.threads.Chooser, "numba.decode").
+    if torch_spins():
+        n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
+    else:
+        n, chooser = min(threads_for(nbytes), numba.config.NUMBA_NUM_THREADS), None
     t0 = time.perf_counter_ns() if chooser is not None else 0
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]

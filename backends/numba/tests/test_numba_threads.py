@@ -98,11 +98,13 @@ def test_under_the_default_budget_the_count_measured_faster_runs(monkeypatch):
     now = time.monotonic()
     # two threads measured 50x slower (busy neighbours), probed a moment ago
     ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}
-    with K.thread_budget(1 << 30):
-        assert numba.get_num_threads() == 1
+    for _ in range(2):                     # a warm-up call, then the measured one
+        with K.thread_budget(1 << 30):
+            assert numba.get_num_threads() == 1
     ch.cost[2] = 0.5                       # quiet again (a probe said so)
-    with K.thread_budget(1 << 30):
-        assert numba.get_num_threads() == 2
+    for _ in range(2):                     # a switch's warm-up call, then the measured one
+        with K.thread_budget(1 << 30):
+            assert numba.get_num_threads() == 2
     assert ch.last[2] > now                # the call was timed for the chooser
 
 
