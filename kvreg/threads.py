@@ -23,10 +23,10 @@ then tries the other again (:class:`Chooser`). On a quiet machine that is
 the budget; beside a busy process, whose threads take the cores a parallel
 region's barrier waits for, it is one thread (measured on 2 cores with two
 busy neighbours: a 2-thread decode of 4k rows took 36 ms against 0.4 ms on
-one thread). kvreg-numba's decode measures too (its helper threads claim
-tasks and the caller never waits long for one that lost its core, but
-inside a torch host torch's spinning OpenMP workers take the core a helper
-needs: docs/threads.md). An explicit budget (``set_num_threads``,
+one thread). kvreg-numba's decode measures only inside a torch host on
+several threads (:func:`torch_spins`): its helper threads claim tasks and
+the caller never waits long for one that lost its core, but torch's
+spinning OpenMP workers take the core a helper needs (docs/threads.md). An explicit budget (``set_num_threads``,
 ``KVREG_THREADS``) is used as given. The bits never depend on the count, so
 neither does the answer.
 """
