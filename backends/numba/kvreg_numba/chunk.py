@@ -212,10 +212,10 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     float32, C-contiguous; ``hd`` a multiple of 16) into ``out``; ``imp``
     (length 0 = none) gets each key's probability column sums. The tiles are
     dealt round-robin to lanes (tile ``t`` to lane ``t % lanes``) run by
-    ``threads`` parallel workers. With importance there are always
-    :data:`IMP_LANES` lanes, each summing its tiles' columns in tile and row
-    order, added to ``imp`` in lane order: the same bits on any thread
-    count."""
+    ``threads`` parallel workers. With importance there are
+    ``min(IMP_LANES, tiles)`` lanes whatever the threads, each summing its
+    tiles' columns in tile and row order, added to ``imp`` in lane order:
+    the same bits on any thread count."""
     b, _, hd = q.shape
     nkv = k.shape[0]
     n = s0 + b
@@ -227,7 +227,7 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     ncol_max = n - kstart + KEYS
     ni = min(imp.shape[0], n)
     has_imp = ni > kstart
-    lanes = IMP_LANES if has_imp else max(1, min(threads, ntile))
+    lanes = min(IMP_LANES, ntile) if has_imp else max(1, min(threads, ntile))
     P = np.empty((lanes, mp, hd), np.float32)
     S = np.empty((lanes, mp, ncol_max), np.float32)
     O = np.empty((lanes, mp, hd), np.float32)
