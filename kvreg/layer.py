@@ -660,14 +660,15 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         # older rows [lo, a) are widened.
         fresh = f is not None and (f[0], f[1]) == (self._st.version, n)
         a = max(lo, n - f[2].shape[1]) if fresh else n
+        off = a - (n - f[2].shape[1]) if fresh else 0   # row a in the fresh block
         if fresh and a == lo:
-            k = np.ascontiguousarray(f[2][:, a - (n - f[2].shape[1]):])   # no copy when it is all of them
-            v = np.ascontiguousarray(f[3][:, a - (n - f[3].shape[1]):])
+            k = np.ascontiguousarray(f[2][:, off:])   # no copy when it is all of them
+            v = np.ascontiguousarray(f[3][:, off:])
         else:
             k, v = self._widened_rows(lo, n, a)
             if fresh:
-                k[:, a - lo:] = f[2][:, a - (n - f[2].shape[1]):]
-                v[:, a - lo:] = f[3][:, a - (n - f[3].shape[1]):]
+                k[:, a - lo:] = f[2][:, off:]
+                v[:, a - lo:] = f[3][:, off:]
         view = LayerStorage.of_rows(k, v).view()
         out = self.backend.attend_chunk(q, view, s0=s0 - lo, b=b, hpk=heads_per_kv, scale=scale, window=window,
                                         imp=None if imp is None else imp[lo:])

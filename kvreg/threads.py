@@ -247,17 +247,21 @@ def chooser(kind: str) -> Chooser:
     return c
 
 
-def pick(work_bytes: int, kind: str, cap: int | None = None) -> tuple[int, Chooser | None, int]:
+def pick(work_bytes: int, kind: str, cap: int | None = None, *, measure: bool = True
+         ) -> tuple[int, Chooser | None, int]:
     """:func:`chosen_threads`' choice as a plain call, for a backend's
     per-call hot path: ``(threads, chooser, budget)``. When ``chooser`` is
-    not None (the default budget, work past :data:`SMALL_WORK_BYTES`), time
-    the call and hand it ``chooser.record(threads, budget, work_bytes, ns)``."""
+    not None (the default budget, work past :data:`SMALL_WORK_BYTES`,
+    ``measure``), time the call and hand it ``chooser.record(threads,
+    budget, work_bytes, ns)``; ``measure=False``: the budget, unmeasured."""
     if work_bytes < SMALL_WORK_BYTES:
         return 1, None, 1
     budget = explicit_threads()
     if budget is not None:
         return (budget if cap is None else max(1, min(budget, cap))), None, budget
     budget = default_threads() if cap is None else max(1, min(default_threads(), cap))
+    if not measure:
+        return budget, None, budget
     c = chooser(kind)
     return c.choose(budget), c, budget
 

@@ -35,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import pick, threads_for, torch_spins
+from kvreg.threads import pick, torch_spins
 
 from . import config
 from .blas import one_blas_thread
@@ -76,16 +76,6 @@ _ZERO = np.float32(0.0)
 # a vectorizable exp (no SVML here: Numba's np.exp is a scalar libm call per
 # element, ~2.5 ns, a fifth of a decode row's compute)
 # ---------------------------------------------------------------------------
-
-
-@intrinsic
-def _f32_from_bits(typingctx, x):
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
 
 
 # ---------------------------------------------------------------------------
@@ -286,20 +276,6 @@ def _lane_reduce(builder, xs, ys, ykind=types.float32):
             else:
                 builder.store(_ir_fma(builder, sx[a], sy[b], builder.load(tot)), tot)
     return [builder.load(t) for t in totals]
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """``a * b + c`` rounded once (llvm.fma): an explicit IEEE operation, so
-    unlike fast-math contraction it is the same bits on every compile and
-    every CPU (one instruction where the CPU has FMA)."""
-    if not all(t == types.float32 for t in (a, b, c)):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return _ir_fma(builder, *args)
-
-    return types.float32(a, b, c), codegen
 
 
 def _f32_vector(t):
@@ -752,31 +728,27 @@ _LN2_LO = np.float32(-2.12194440e-4)
 _EXP_LO = np.float32(-87.0)
 
 
-@njit(nogil=True, cache=_CACHE, fastmath=_FM, inline="always")
-def fexp(x):
+@intrinsic
+def fexp(typingctx, x):
     """exp(x) for float32 ``x <= 0`` (softmax arguments): Cody-Waite range
     reduction, a degree-6 polynomial (explicit fused multiply-adds, the
     same bits on every compile) and 2^n built from its bits; within
     3e-7 relative of exp. Results below 2^-126 (x < -87) flush to 0, -inf
-    gives exactly 0. Pure arithmetic and selects, so LLVM vectorizes it."""
-    xc = max(x, _EXP_LO)
-    n = np.floor(xc * _LOG2E + np.float32(0.5))
-    r = _fma(-n, _LN2_HI, xc)
-    r = _fma(-n, _LN2_LO, r)
-    p = np.float32(1.9875691500e-4)
-    p = _fma(p, r, np.float32(1.3981999507e-3))
-    p = _fma(p, r, np.float32(8.3334519073e-3))
-    p = _fma(p, r, np.float32(4.1665795894e-2))
-    p = _fma(p, r, np.float32(1.6666665459e-1))
-    p = _fma(p, r, np.float32(5.0000001201e-1))
-    p = _fma(p * r, r, r) + np.float32(1.0)
-    y = p * _f32_from_bits((np.int32(n) + np.int32(127)) << 23)
-    return y if x >= _EXP_LO else _ZERO
+    gives exactly 0. Pure arithmetic and selects emitted inline
+    (:func:`_ir_fexp`, which :func:`_exp_sum` emits 16 lanes wide), so LLVM
+    vectorizes a loop of it."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _ir_fexp(builder, args[0])
+
+    return types.float32(x), codegen
 
 
 def _ir_fexp(builder, x):
-    """IR of :func:`fexp` on a float32 scalar or vector ``x``: the same
-    operations in the same order, so the same bits."""
+    """IR of :func:`fexp` on a float32 scalar or vector ``x`` (every lane
+    the scalar's operations in the same order, so the same bits)."""
     t = x.type
     vec = isinstance(t, ir.VectorType)
     f32 = ir.FloatType()
@@ -2051,10 +2023,7 @@ def _run(nbytes, nfloats, *args):
     # caller or its helper shares a core with one (SmolLM2 at 4k rows, 2
     # cores: ~24 ms of attention a token on two threads, ~20 on one): there
     # the default budget is measured (kvreg.threads.Chooser, "numba.decode").
-    if torch_spins():
-        n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
-    else:
-        n, chooser = min(threads_for(nbytes), numba.config.NUMBA_NUM_THREADS), None
+    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=torch_spins())
     t0 = time.perf_counter_ns() if chooser is not None else 0
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]
