@@ -1334,8 +1334,6 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     """
     ngr = gids.shape[0]
     hd = q.shape[1]
-    nrows = ngr * hpk
-    has_sink = sinks.shape[0] > 0
     qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
                                               block, window, upto)
     ntask = tstart[ngr]
@@ -1380,9 +1378,20 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
             pl[t] = hpl[t]
             pacc[t] = hpacc[t]
 
-    # Merge the partial states in block order; coef[t, h] turns a block's
-    # exp(s - m_block) into the final probability (used for importance).
-    for row in range(nrows):
+    _finish(hpk, gids, fs, ns, tstart, vcol, vcol_set, vquant, sinks, block, imp, out, E, pm, pl, pacc, coef,
+            owner, helpers)
+
+
+@njit(nogil=True, cache=_CACHE, fastmath=_FM)
+def _finish(hpk, gids, fs, ns, tstart, vcol, vcol_set, vquant, sinks, block, imp, out, E, pm, pl, pacc, coef,
+            owner, helpers):
+    """The end of a decode call, however its tasks ran: merge the partial
+    states in block order (``coef[t, h]`` turns a block's ``exp(s -
+    m_block)`` into the final probability), then the importance pass."""
+    ngr = gids.shape[0]
+    hd = out.shape[1]
+    has_sink = sinks.shape[0] > 0
+    for row in range(ngr * hpk):
         i = row // hpk
         h = row - i * hpk
         o = out[row]
@@ -1399,6 +1408,34 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
         for c in range(nchunk):
             _imp_chunk(imp, c * block, min(c * block + block, ni), fs, ns, tstart, 0, ngr, hpk, block,
                        E, coef, owner, helpers)
+
+
+@njit(parallel=True, nogil=True, cache=_CACHE, fastmath=_FM)
+def attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
+                      vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
+                      scale, softcap, sinks, block, window, upto, imp, out, scratch, workers):
+    """:func:`attend_groups` with its tasks in a numba ``prange`` region
+    (every task its own slots, the merge in block order: the same bits).
+    Under numba's OpenMP layer the region runs on the OpenMP workers a
+    torch host already keeps spinning, where :func:`decode_helper` threads
+    would compete with them for the cores (docs/threads.md)."""
+    hd = q.shape[1]
+    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
+                                              block, window, upto)
+    ntask = tgroup.shape[0]
+    if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
+        raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
+    E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
+    coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    nw = max(1, min(workers, ntask))
+    for w in prange(nw):
+        kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
+        vbuf = np.empty((0, hd), np.float32)
+        for t in range(w, ntask, nw):
+            _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant, vquant,
+                         xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc, kbuf, vbuf)
+    _finish(hpk, gids, fs, ns, tstart, vcol, vcol_set, vquant, sinks, block, imp, out, E, pm, pl, pacc, coef,
+            np.full(0, -1, np.int64), np.zeros((0, 0), np.float32))
 
 
 # ---------------------------------------------------------------------------
@@ -1827,6 +1864,7 @@ def _scratch(nfloats):
 
 
 _layer_started = False
+_omp_layer = False
 
 
 def _start_threading_layer() -> None:
@@ -1849,18 +1887,28 @@ def _start_threading_layer() -> None:
     numba.set_num_threads(numba.get_num_threads())
     if before is not None and torch.get_num_threads() != before:
         torch.set_num_threads(before)
-    global _get_threads, _set_threads
+    global _get_threads, _set_threads, _omp_layer
     # The threading layer's own per-thread entry points, once it is up:
     # numba's public get/set_num_threads take two process-wide locks a call
     # (~1-2 us each, paid twice a parallel call). Counts set here come from
     # kvreg.threads.pick, capped to NUMBA_NUM_THREADS, so they need no check.
     _get_threads = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
     _set_threads = getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
+    _omp_layer = numba.threading_layer() == "omp"
     _layer_started = True
 
 
 _get_threads = numba.get_num_threads
 _set_threads = numba.set_num_threads
+
+
+def _in_torch_pool() -> bool:
+    """Whether numba's parallel regions run on OpenMP's worker pool (its
+    ``omp`` threading layer), the pool torch's intra-op threads are: a
+    region then reuses torch's spinning workers instead of adding threads."""
+    if not _layer_started:
+        _start_threading_layer()
+    return _omp_layer
 
 
 @contextmanager
@@ -2013,21 +2061,29 @@ def _helper_scratch(n, nfloats):
 
 
 def _run(nbytes, nfloats, *args):
-    # ``args``: attend_groups' up to ``out``. On more than one thread the
-    # call is shared with helper threads that claim tasks from ``state``;
-    # every task writes its own slot and the merge runs in block order, so
-    # who ran a task cannot change a bit.
-    # Beside a busy process a helper without a core costs the caller one
-    # block at most, so the budget runs unmeasured; but inside a torch host
-    # on several threads torch's OpenMP workers spin after each op and the
-    # caller or its helper shares a core with one (SmolLM2 at 4k rows, 2
-    # cores: ~24 ms of attention a token on two threads, ~20 on one): there
-    # the default budget is measured (kvreg.threads.Chooser, "numba.decode").
-    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=torch_spins())
-    t0 = time.perf_counter_ns() if chooser is not None else 0
+    # ``args``: attend_groups' up to ``out``. Every task writes its own
+    # slot and the merge runs in block order, so which thread ran a task
+    # cannot change a bit.
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
+    if torch_spins() and _in_torch_pool():
+        # Inside a torch host on several threads torch's OpenMP workers spin
+        # after each op: helper threads would share cores with them
+        # (SmolLM2 at 4k rows, 2 cores: ~24 ms of attention a token on two
+        # threads, ~20 on one), a prange region runs on them (~14-15 ms).
+        # The count is measured (kvreg.threads.Chooser, "numba.decode"):
+        # beside a busy process a region waits for its slowest worker.
+        with thread_budget(nbytes, "decode") as n:
+            if n < 2 or ntask < 2:
+                attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+            else:
+                attend_groups_par(*args, scratch, n)
+        return
+    # Elsewhere the call is shared with helper threads that claim tasks
+    # from ``state``: a helper without a core (a busy process beside)
+    # costs the caller one block at most, so the budget runs unmeasured.
+    n, _, _ = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=False)
     if n < 2 or ntask < 2:
         attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
     else:
@@ -2035,8 +2091,6 @@ def _run(nbytes, nfloats, *args):
         claims = np.zeros(ntask, np.int64)
         _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
         attend_groups(*args, scratch, claims, hs)
-    if chooser is not None:
-        chooser.record(n, budget, nbytes, time.perf_counter_ns() - t0)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,

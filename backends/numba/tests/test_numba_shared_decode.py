@@ -71,6 +71,21 @@ def test_the_caller_copies_finished_tasks_and_takes_back_held_ones(mode, imp):
     assert (state[:2] == K.TASK_CALLER).all() and (state[5:] == K.TASK_TAKEN_BACK).all()
 
 
+@pytest.mark.parametrize("imp", [False, True])
+@pytest.mark.parametrize("mode", ["f32", "f16", "q8"])
+def test_the_prange_decode_gives_the_single_threads_bits(mode, imp):
+    # attend_groups_par: the decode inside a torch host, its tasks in a
+    # prange region; worker counts past the task count are clamped.
+    args, nfloats, ntask = _call(mode=mode, imp=imp)
+    want, want_imp = _run_alone(args, nfloats)
+    for workers in (1, 2, 3, ntask + 5):
+        a = list(args)
+        a[29], a[30] = args[29].copy(), np.empty_like(args[30])
+        K.attend_groups_par(*a, np.empty(nfloats, np.float32), workers)
+        np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
+        np.testing.assert_array_equal(a[29].view(np.uint32), want_imp.view(np.uint32))
+
+
 def test_a_held_task_is_taken_back_not_read():
     args, nfloats, ntask = _call()
     want, _ = _run_alone(args, nfloats)
@@ -102,9 +117,10 @@ def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
 @pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
 def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faster(monkeypatch):
     # Inside a torch host on several threads, torch's OpenMP workers spin
-    # after each op and a helper can cost more than it brings: the decode
-    # measures both counts (kvreg.threads.Chooser) and runs the faster.
-    # Elsewhere it runs the budget unmeasured.
+    # after each op: the decode runs its tasks in a prange region (on those
+    # workers, under numba's OpenMP layer), measures both counts
+    # (kvreg.threads.Chooser) and runs the faster. Elsewhere it shares the
+    # call with helper threads, the budget unmeasured.
     import time
 
     from kvreg import threads
@@ -122,18 +138,22 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     posted = []
     real = K._helpers.post
     monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    regions = []
+    par = K.attend_groups_par
+    monkeypatch.setattr(K, "attend_groups_par", lambda *a: (regions.append(a[-1]), par(*a)))
+    monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
     monkeypatch.setattr(K, "torch_spins", lambda: False)
-    lay.attend_layer(q)
-    assert posted == [1] and ch.last == {2: now, 1: now}   # no torch: the budget, unmeasured
+    want = lay.attend_layer(q)
+    assert posted == [1] and not regions and ch.last == {2: now, 1: now}   # no torch: the budget, unmeasured
     posted.clear()
     monkeypatch.setattr(K, "torch_spins", lambda: True)
     for _ in range(2):                          # a switch's warm-up call, then the measured one
         lay.attend_layer(q)
-    assert not posted and ch.last[1] > now      # one thread, timed for the chooser
+    assert not posted and not regions and ch.last[1] > now      # one thread, timed for the chooser
     ch.cost[2] = 0.5                            # a probe found two faster again
     for _ in range(2):
-        lay.attend_layer(q)
-    assert posted == [1, 1] and ch.last[2] > now
+        np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
+    assert not posted and regions == [2, 2] and ch.last[2] > now
 
 
 _CHILD = """
