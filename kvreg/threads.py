@@ -164,12 +164,16 @@ class Chooser:
     a machine that turns quiet again gets its threads back within seconds,
     and a busy one pays for at most one slow probe every few seconds.
 
-    The first call after a switch of count only warms it up and is not
-    measured; the count runs once more for the sample. That call pays what
-    the steady state does not: helper threads asleep since the last switch
-    (kvreg-numba's decode: ~60 µs to wake), a first compile (163 ms for
-    its first two-thread call, which kept a 1.5 MB decode on one thread for
-    seconds: a small call 1.7-1.9x its bytes' time + 10 µs against 1.5-1.6x)."""
+    The first call after a switch to several threads, or to one thread
+    never measured, only warms the count up and is not measured; the count
+    runs once more for the sample. That call pays what the steady state does
+    not: helper threads asleep since the last switch (kvreg-numba's decode:
+    ~60 µs to wake), a first compile (163 ms for its first two-thread call,
+    which kept a 1.5 MB decode on one thread for seconds: a small call
+    1.7-1.9x its bytes' time + 10 µs against 1.5-1.6x). A probe of one
+    thread, already compiled, wakes nothing: it is one measured call (a 4k
+    SmolLM2 prefill's layer takes ~175 ms on one thread, ~95 on two: each
+    probe's warm-up call cost another 80 ms)."""
 
     PROBE_MIN = 0.25
     PROBE_MAX = 8.0
@@ -200,7 +204,7 @@ class Chooser:
                 n, self._again = self._again, None
                 return n
             n = self._pick(budget)
-            if n != self._now:
+            if n != self._now and (n > 1 or n not in self.cost):
                 self._warm = n
             self._now = n
             return n

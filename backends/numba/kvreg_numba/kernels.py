@@ -2063,34 +2063,45 @@ def _helper_scratch(n, nfloats):
 def _run(nbytes, nfloats, *args):
     # ``args``: attend_groups' up to ``out``. Every task writes its own
     # slot and the merge runs in block order, so which thread ran a task
-    # cannot change a bit.
+    # cannot change a bit. Inline, not thread_budget: inside a model each
+    # Python frame costs (a context manager's ~14 µs with the caches
+    # flushed, measured), on every layer of every token.
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
-    if torch_spins() and _in_torch_pool():
-        # Inside a torch host on several threads torch's OpenMP workers spin
-        # after each op: helper threads would share cores with them
-        # (SmolLM2 at 4k rows, 2 cores: ~24 ms of attention a token on two
-        # threads, ~20 on one), a prange region runs on them (~14-15 ms).
-        # The count is measured (kvreg.threads.Chooser, "numba.decode"):
-        # beside a busy process a region waits for its slowest worker.
-        with thread_budget(nbytes, "decode") as n:
-            if n < 2 or ntask < 2:
-                attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
-            else:
-                attend_groups_par(*args, scratch, n)
-        return
-    # Elsewhere the call is shared with helper threads that claim tasks
-    # from ``state``: a helper without a core (a busy process beside)
-    # costs the caller one block at most, so the budget runs unmeasured.
-    n, _, _ = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=False)
-    if n < 2 or ntask < 2:
+    if ntask < 2:
         attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        return
+    # Inside a torch host on several threads torch's OpenMP workers spin
+    # after each op: helper threads would share cores with them (SmolLM2 at
+    # 4k rows, 2 cores: ~24 ms of attention a token on two threads, ~20 on
+    # one), a prange region runs on them (~14-15 ms). There the count is
+    # measured (kvreg.threads.Chooser, "numba.decode"): beside a busy
+    # process a region waits for its slowest worker. Elsewhere the call is
+    # shared with helper threads that claim tasks from ``state``: a helper
+    # without a core costs the caller one block at most, so the budget runs
+    # unmeasured.
+    spins = torch_spins()
+    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
+    t0 = time.perf_counter_ns() if chooser is not None else 0
+    if n < 2:
+        attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+    elif spins and _in_torch_pool():
+        old = _get_threads()
+        if n != old:
+            _set_threads(n)
+        try:
+            attend_groups_par(*args, scratch, n)
+        finally:
+            if n != old:
+                _set_threads(old)
     else:
         hs = _helper_scratch(n - 1, nfloats)
         claims = np.zeros(ntask, np.int64)
         _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
         attend_groups(*args, scratch, claims, hs)
+    if chooser is not None:
+        chooser.record(n, budget, nbytes, time.perf_counter_ns() - t0)
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
