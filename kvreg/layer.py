@@ -88,6 +88,7 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         self._base = 0
         self._tail: int | None = None
         self._sinks: np.ndarray | None = None
+        self._decode_memo: tuple | None = None   # _decode_args' last plain answer
         self._linear_state = np.zeros(0, dtype=np.float32)
         self._linear_scratch = np.zeros(0, dtype=np.float32)
         self._linear_wire_allowed = True
@@ -595,7 +596,18 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
         """``attend_layer``'s arguments checked and resolved for the kernel
         (``scale``, ``window``, ``softcap``, ``sinks``, ``imp``); refuses what
-        a sealed layer cannot take. Changes nothing."""
+        a sealed layer cannot take. Changes nothing.
+
+        A decode step asks the same as the last one (inside a model each
+        validation call is paid with the caches cold: ~19 µs for these, ~2
+        for the lookup): answered from a memo of the last plain answer,
+        keyed on everything it reads."""
+        plain = importance is False and (sinks is None or type(sinks) is str)
+        if plain:
+            key = (nh, scale, window, softcap, sinks, self._st.cap, self._lifecycle)
+            memo = self._decode_memo
+            if memo is not None and memo[1] is self._sinks and memo[0] == key:
+                return memo[2]
         if nh % self.num_kv_heads:
             raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         if window is not None:
@@ -611,7 +623,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if self._lifecycle is Lifecycle.SEALED and (window is not None or sinks is not None or softcap):
             raise StateError("attend_layer on a sealed layer reads its sinks, window and far field: "
                              "window, learned sinks and softcap do not apply (importance has no rows)")
-        return dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
+        args = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
+        if plain:
+            self._decode_memo = (key, self._sinks, args)
+        return args
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
                      window: int | None = None, importance: bool = True) -> np.ndarray:

@@ -130,3 +130,40 @@ def test_linear_state_takes_floats_and_refuses_the_rest():
     with pytest.raises(ShapeError, match="1-D"):
         c.linear_scratch = np.ones((2, 2), np.float32)
     assert c.linear_scratch.size == 0
+
+
+def test_a_repeated_decode_call_answers_as_a_fresh_layer_after_each_change():
+    # attend_layer memoizes its resolved arguments between decode steps:
+    # each thing they depend on (sinks, scale, window, the capacity a
+    # window is clamped to) must still reach the kernel when it changes.
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((300, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((4, 16)).astype(np.float32)
+
+    def layer(n, sinks=None):
+        lay = LayerKvCache(2, 16, "f32", "reference")
+        lay.extend(rows[:n], rows[:n])
+        lay.sinks = sinks
+        return lay
+
+    lay = layer(30)
+    calls = [dict(), dict(scale=0.5), dict(window=4), dict(window=4, scale=0.5), dict()]
+    for kw in calls:
+        got = lay.attend_layer(q, importance=False, **kw)
+        np.testing.assert_array_equal(got, layer(30).attend_layer(q, importance=False, **kw))
+    s1, s2 = np.full(4, 0.5, np.float32), np.full(4, -3.0, np.float32)
+    for sinks in (s1, s2, None):
+        lay.sinks = sinks
+        np.testing.assert_array_equal(lay.attend_layer(q, importance=False),
+                                      layer(30, sinks).attend_layer(q, importance=False))
+    np.testing.assert_array_equal(lay.attend_layer(q, importance=False, sinks=None),
+                                  layer(30).attend_layer(q, importance=False, sinks=None))
+    with pytest.raises(ShapeError):      # a bad argument is refused, memo or not
+        lay.attend_layer(q[:3], importance=False)
+    cap = lay._st.cap                    # a window past it is clamped to it
+    w = cap + 5
+    lay.attend_layer(q, importance=False, window=w)
+    lay.extend(rows[30:cap + 10], rows[30:cap + 10])   # grows the capacity
+    assert lay._st.cap > cap
+    np.testing.assert_array_equal(lay.attend_layer(q, importance=False, window=w),
+                                  layer(cap + 10).attend_layer(q, importance=False, window=w))
