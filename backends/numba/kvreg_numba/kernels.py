@@ -1912,18 +1912,19 @@ def _in_torch_pool() -> bool:
 
 
 @contextmanager
-def thread_budget(nbytes, kind="decode"):
+def thread_budget(nbytes, kind="decode", measure=True):
     """Run the parallel kernels inside on kvreg's thread budget for a call
     reading ``nbytes`` of K/V rows (:func:`kvreg.threads.pick`: one thread
     for small work; under the default budget, the faster of one thread and
-    the budget, measured per ``kind`` of call). numba's
+    the budget, measured per ``kind`` of call; ``measure=False``: the
+    budget). numba's
     ``set_num_threads`` is per calling thread, so a host's own numba code
     keeps its setting. The bits do not depend on the count (every reduction
     has a fixed order). Yields the count."""
     if not _layer_started:
         _start_threading_layer()
     nbytes = int(nbytes)
-    want, chooser, budget = pick(nbytes, "numba." + kind, numba.config.NUMBA_NUM_THREADS)
+    want, chooser, budget = pick(nbytes, "numba." + kind, numba.config.NUMBA_NUM_THREADS, measure=measure)
     old = _get_threads()
     if want != old:
         _set_threads(want)
@@ -2364,7 +2365,11 @@ def attend_chunk(q, k, v, *, s0, b, hpk, scale, window=None, imp=None, q_tile=No
         from .chunk import chunk_kernel, tile_rows
         out = np.empty((b, nh, hd), np.float32)
         bt = tile_rows(hpk, hd)
-        with thread_budget(4 * nh * b * (n - kstart), "chunk") as threads:
+        # Unmeasured: a chunk is long and compute-bound, so even a worker
+        # that shares its core with a busy neighbour still adds what it
+        # gets, and a one-thread probe cost a 4k SmolLM2 prefill ~80 ms a
+        # layer (~175 ms on one thread against ~95 on two, in the model).
+        with thread_budget(4 * nh * b * (n - kstart), "chunk", measure=False) as threads:
             # q as it comes (a model's [n, nh, hd] is a transposed view): the
             # kernel gathers each tile's rows itself, so no copy of the chunk
             chunk_kernel(q, _c(k, np.float32), _c(v, np.float32), s0, hpk, np.float32(scale), w,
