@@ -601,13 +601,14 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         A decode step asks the same as the last one (inside a model each
         validation call is paid with the caches cold: ~19 µs for these, ~2
         for the lookup): answered from a memo of the last plain answer,
-        keyed on everything it reads."""
-        plain = importance is False and (sinks is None or type(sinks) is str)
+        keyed on everything it reads (the sinks by identity)."""
+        plain = (importance is False or importance is True) and (sinks is None or type(sinks) is str)
         if plain:
-            key = (nh, scale, window, softcap, sinks, self._st.cap, self._lifecycle)
+            key = (nh, scale, window, softcap, sinks, importance, self._st.cap, self._lifecycle)
             memo = self._decode_memo
             if memo is not None and memo[1] is self._sinks and memo[0] == key:
-                return memo[2]
+                # importance: the rows' current view (it grows with them)
+                return dict(memo[2], imp=self._st.imp) if importance else memo[2]
         if nh % self.num_kv_heads:
             raise ShapeError(f"q_all has {nh} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         if window is not None:
@@ -623,10 +624,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if self._lifecycle is Lifecycle.SEALED and (window is not None or sinks is not None or softcap):
             raise StateError("attend_layer on a sealed layer reads its sinks, window and far field: "
                              "window, learned sinks and softcap do not apply (importance has no rows)")
-        args = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
+        args = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, imp=None)
         if plain:
             self._decode_memo = (key, self._sinks, args)
-        return args
+        return dict(args, imp=imp) if imp is not None else args
 
     def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
                      window: int | None = None, importance: bool = True) -> np.ndarray:

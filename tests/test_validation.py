@@ -158,12 +158,21 @@ def test_a_repeated_decode_call_answers_as_a_fresh_layer_after_each_change():
                                       layer(30, sinks).attend_layer(q, importance=False))
     np.testing.assert_array_equal(lay.attend_layer(q, importance=False, sinks=None),
                                   layer(30).attend_layer(q, importance=False, sinks=None))
+    fresh = layer(30)                    # importance: into the layer's current array
+    for lay_ in (lay, fresh):
+        lay_.attend_layer(q)
+        lay_._st.reserve(lay_._st.cap * 4)   # reallocates the importance array
+        lay_.attend_layer(q)
+        lay_.append(rows[30], rows[30])      # one more row the next call's importance covers
+        lay_.attend_layer(q)
+    np.testing.assert_array_equal(lay.imp, fresh.imp)
+    assert lay.imp.shape == (31,) and lay.imp[30] > 0
     with pytest.raises(ShapeError):      # a bad argument is refused, memo or not
         lay.attend_layer(q[:3], importance=False)
     cap = lay._st.cap                    # a window past it is clamped to it
     w = cap + 5
     lay.attend_layer(q, importance=False, window=w)
-    lay.extend(rows[30:cap + 10], rows[30:cap + 10])   # grows the capacity
+    lay.extend(rows[31:cap + 10], rows[31:cap + 10])   # grows the capacity
     assert lay._st.cap > cap
     np.testing.assert_array_equal(lay.attend_layer(q, importance=False, window=w),
                                   layer(cap + 10).attend_layer(q, importance=False, window=w))
