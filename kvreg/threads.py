@@ -148,6 +148,29 @@ def torch_spins() -> bool:
         return False
 
 
+_torch_model = False
+
+
+def set_torch_model(on: bool) -> None:
+    """Say whether kvreg is called from inside a torch model's forward pass
+    (:class:`kvreg.integrations.transformers.KvregCache` says so when it is
+    made). There, with torch on several threads (:func:`torch_spins`), torch's
+    OpenMP workers spin between its ops, and kvreg-numba's decode runs its
+    parallel work on them (a ``prange`` region) instead of on threads of its
+    own that would compete with them for the cores. Outside a model those
+    workers sleep, and its own helper threads ride out a busy neighbour
+    better (docs/threads.md). Process-wide."""
+    global _torch_model
+    if on is not True and on is not False:
+        raise ConfigError(f"kvreg.threads.set_torch_model(on) takes True or False, got {on!r}")
+    _torch_model = on
+
+
+def torch_model() -> bool:
+    """What :func:`set_torch_model` was told last (False by default)."""
+    return _torch_model
+
+
 def explicit_threads() -> int | None:
     """The budget a caller set (:func:`set_num_threads`, ``KVREG_THREADS``), or None."""
     return _override if _override is not None else env_threads()

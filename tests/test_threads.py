@@ -132,3 +132,16 @@ def test_torch_spins_only_with_torch_on_more_than_one_thread(monkeypatch):
     assert not threads.torch_spins()
     fake.get_num_threads = lambda: 2
     assert threads.torch_spins()
+
+
+def test_set_torch_model_takes_a_bool(monkeypatch):
+    monkeypatch.setattr(threads, "_torch_model", False)
+    assert threads.torch_model() is False
+    threads.set_torch_model(True)
+    assert threads.torch_model() is True
+    for bad in (1, "yes", None):
+        with pytest.raises(kvreg.ConfigError, match="True or False"):
+            threads.set_torch_model(bad)
+        assert threads.torch_model() is True   # a refused value changes nothing
+    threads.set_torch_model(False)
+    assert threads.torch_model() is False

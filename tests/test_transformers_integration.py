@@ -62,6 +62,16 @@ def test_f32_greedy_tokens_equal_dynamic_cache(lm, backend):
     assert cache.get_seq_length() == got.shape[1] - 1   # the last token is never fed
 
 
+def test_a_kvreg_cache_tells_kvreg_it_runs_inside_a_torch_model(lm, monkeypatch):
+    # kvreg-numba's decode then runs on torch's spinning OpenMP workers
+    # (kvreg.threads.set_torch_model, docs/threads.md)
+    from kvreg import threads
+
+    monkeypatch.setattr(threads, "_torch_model", False)
+    KvregCache(lm[1], mode="f32")
+    assert threads.torch_model() is True
+
+
 def test_past_key_values_keyword_works_too(lm):
     name, model, tok = lm
     inputs = tok(PROMPT, return_tensors="pt")

@@ -78,6 +78,7 @@ from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
 from .._o1_layer import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
+from ..threads import set_torch_model
 
 try:
     import torch
@@ -257,6 +258,7 @@ class KvregCache(Cache):
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        set_torch_model(True)   # kvreg's decode runs inside this model's forward (kvreg.threads)
 
     # ── the per-sequence kvreg caches ──
 

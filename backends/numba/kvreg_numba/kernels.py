@@ -35,7 +35,7 @@ from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from kvreg.threads import pick, torch_spins
+from kvreg.threads import pick, torch_model, torch_spins
 
 from . import config
 from .blas import one_blas_thread
@@ -2073,21 +2073,23 @@ def _run(nbytes, nfloats, *args):
     if ntask < 2:
         attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
         return
-    # Inside a torch host on several threads torch's OpenMP workers spin
-    # after each op: helper threads would share cores with them (SmolLM2 at
-    # 4k rows, 2 cores: ~24 ms of attention a token on two threads, ~20 on
-    # one), a prange region runs on them (~14-15 ms). There the count is
-    # measured (kvreg.threads.Chooser, "numba.decode"): beside a busy
-    # process a region waits for its slowest worker. Elsewhere the call is
-    # shared with helper threads that claim tasks from ``state``: a helper
-    # without a core costs the caller one block at most, so the budget runs
-    # unmeasured.
+    # The call is shared with helper threads that claim tasks from
+    # ``state``: a helper without a core (a busy neighbour) costs the caller
+    # one block at most, so the budget runs unmeasured. But inside a torch
+    # host on several threads torch's OpenMP workers spin after each op and
+    # a helper may share its core with one (SmolLM2 at 4k rows, 2 cores:
+    # ~24 ms of attention a token on two threads, ~20 on one): there the
+    # count is measured (kvreg.threads.Chooser, "numba.decode"). Inside a
+    # torch model's forward (kvreg.threads.torch_model) the tasks run in a
+    # prange region on those spinning workers instead (~14-15 ms); a region
+    # waits for its slowest worker, which the chooser's one-thread count
+    # bounds beside a busy neighbour.
     spins = torch_spins()
     n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
     t0 = time.perf_counter_ns() if chooser is not None else 0
     if n < 2:
         attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
-    elif spins and _in_torch_pool():
+    elif spins and torch_model() and _in_torch_pool():
         old = _get_threads()
         if n != old:
             _set_threads(n)

@@ -117,10 +117,11 @@ def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
 @pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
 def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faster(monkeypatch):
     # Inside a torch host on several threads, torch's OpenMP workers spin
-    # after each op: the decode runs its tasks in a prange region (on those
-    # workers, under numba's OpenMP layer), measures both counts
-    # (kvreg.threads.Chooser) and runs the faster. Elsewhere it shares the
-    # call with helper threads, the budget unmeasured.
+    # after each op: the decode measures both counts (kvreg.threads.Chooser)
+    # and runs the faster; inside a torch model's forward
+    # (kvreg.threads.set_torch_model) its tasks run in a prange region on
+    # those workers. Elsewhere it shares the call with helper threads, the
+    # budget unmeasured.
     import time
 
     from kvreg import threads
@@ -142,6 +143,7 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     par = K.attend_groups_par
     monkeypatch.setattr(K, "attend_groups_par", lambda *a: (regions.append(a[-1]), par(*a)))
     monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
+    monkeypatch.setattr(threads, "_torch_model", True)
     monkeypatch.setattr(K, "torch_spins", lambda: False)
     want = lay.attend_layer(q)
     assert posted == [1] and not regions and ch.last == {2: now, 1: now}   # no torch: the budget, unmeasured
@@ -154,6 +156,10 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     for _ in range(2):
         np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
     assert not posted and regions == [2, 2] and ch.last[2] > now
+    threads.set_torch_model(False)              # torch loaded, no model running: helpers, measured
+    before = ch.last[2]
+    np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
+    assert posted == [1] and regions == [2, 2] and ch.last[2] > before
 
 
 _CHILD = """
