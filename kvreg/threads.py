@@ -26,7 +26,9 @@ busy neighbours: a 2-thread decode of 4k rows took 36 ms against 0.4 ms on
 one thread). kvreg-numba's decode measures only inside a torch host on
 several threads (:func:`torch_spins`): its helper threads claim tasks and
 the caller never waits long for one that lost its core, but torch's
-spinning OpenMP workers take the core a helper needs (docs/threads.md). An explicit budget (``set_num_threads``,
+spinning OpenMP workers take the core a helper needs; inside a torch
+model's forward (:func:`set_torch_model`) it runs on those workers instead
+(docs/threads.md). The prefill chunk runs the budget unmeasured. An explicit budget (``set_num_threads``,
 ``KVREG_THREADS``) is used as given. The bits never depend on the count, so
 neither does the answer.
 """
