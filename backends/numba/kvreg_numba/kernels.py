@@ -1258,6 +1258,30 @@ def _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, v
                    pm[t], pl[t], pacc[t], xk, xv, xl, thk, thv, wb)
 
 
+@njit(nogil=True, cache=_CACHE)
+def _task_buffers(hd, kquant):
+    """A thread's buffers for :func:`_decode_task`: q8 K rows dequantized
+    a sub-block at a time; none for V (q8 V rows are read as int8 by
+    :func:`_accumulate_q8`)."""
+    return np.empty((sub_rows(hd) if kquant else 0, hd), np.float32), np.empty((0, hd), np.float32)
+
+
+@njit(nogil=True, cache=_CACHE)
+def _decode_setup(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set, block, window, upto, scratch):
+    """:func:`_decode_plan`, then the tasks' partial states carved from
+    ``scratch`` (:func:`partial_slabs`) and the merge's per-block
+    coefficients ``coef [ntask, hpk]`` after them."""
+    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
+                                              block, window, upto)
+    ntask = tgroup.shape[0]
+    hd = q.shape[1]
+    if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
+        raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
+    E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
+    coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
+    return qc, fs, ns, tstart, tgroup, E, pm, pl, pacc, coef
+
+
 @njit(nogil=True, cache=_CACHE, fastmath=_FM)
 def _run_tasks(state, me, down, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant,
                vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc):
@@ -1265,9 +1289,7 @@ def _run_tasks(state, me, down, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, k
     empty), in order or, ``down``, from the last; a helper (``me`` >=
     :data:`HELPER`) marks each done unless the caller took it back."""
     ntask = tgroup.shape[0]
-    hd = qc.shape[1]
-    kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
-    vbuf = np.empty((0, hd), np.float32)  # q8 V rows are read as int8 by _accumulate_q8
+    kbuf, vbuf = _task_buffers(qc.shape[1], kquant)
     shared = state.shape[0] > 0
     ran = 0
     for j in range(ntask):
@@ -1332,26 +1354,18 @@ def attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     takes it back and runs it (a helper that lost its core costs two blocks,
     not a stall). A task's bits do not depend on who ran it.
     """
-    ngr = gids.shape[0]
     hd = q.shape[1]
-    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
-                                              block, window, upto)
-    ntask = tstart[ngr]
-    if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
-        raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
+    qc, fs, ns, tstart, tgroup, E, pm, pl, pacc, coef = _decode_setup(q, hpk, gids, firsts, ns, kquant, kcol,
+                                                                      kcol_set, block, window, upto, scratch)
+    ntask = tgroup.shape[0]
     if state.shape[0] > 0 and state.shape[0] != ntask:
         raise ValueError("attend_groups: state must hold one claim per task")
-
-    # the blocks' partial states, then the merge's per-block coefficients
-    E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
-    coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
     c0 = _cycles()
     ran = _run_tasks(state, TASK_CALLER, False, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq,
                      vs, kquant, vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc)
     owner = np.full(ntask if state.shape[0] > 0 else 0, -1, np.int64)
     if state.shape[0] > 0:
-        kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
-        vbuf = np.empty((0, hd), np.float32)
+        kbuf, vbuf = _task_buffers(hd, kquant)
         # a helper's task in flight is worth waiting for as long as this
         # thread took for one task of its own (then it is taken back)
         patience = (_cycles() - c0) // max(ran, 1)
@@ -1419,18 +1433,12 @@ def attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
     Under numba's OpenMP layer the region runs on the OpenMP workers a
     torch host already keeps spinning, where :func:`decode_helper` threads
     would compete with them for the cores (docs/threads.md)."""
-    hd = q.shape[1]
-    qc, fs, ns, tstart, tgroup = _decode_plan(q, hpk, gids, firsts, ns, kquant, kcol, kcol_set,
-                                              block, window, upto)
+    qc, fs, ns, tstart, tgroup, E, pm, pl, pacc, coef = _decode_setup(q, hpk, gids, firsts, ns, kquant, kcol,
+                                                                      kcol_set, block, window, upto, scratch)
     ntask = tgroup.shape[0]
-    if ntask * hpk * (block + 3 + hd) > scratch.shape[0]:
-        raise ValueError("attend_groups: scratch smaller than scratch_floats() of the visible rows")
-    E, pm, pl, pacc, o = partial_slabs(scratch, ntask, hpk, block, hd)
-    coef = scratch[o:o + ntask * hpk].reshape((ntask, hpk))
     nw = max(1, min(workers, ntask))
     for w in prange(nw):
-        kbuf = np.empty((sub_rows(hd) if kquant else 0, hd), np.float32)
-        vbuf = np.empty((0, hd), np.float32)
+        kbuf, vbuf = _task_buffers(q.shape[1], kquant)
         for t in range(w, ntask, nw):
             _decode_task(t, qc, hpk, gids, fs, ns, tstart, tgroup, kf, kq, ks, vf, vq, vs, kquant, vquant,
                          xk, xv, xlen, thk, thv, b8, scale, softcap, block, E, pm, pl, pacc, kbuf, vbuf)
