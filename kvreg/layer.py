@@ -602,7 +602,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         validation call is paid with the caches cold: ~19 µs for these, ~2
         for the lookup): answered from a memo of the last plain answer,
         keyed on everything it reads (the sinks by identity)."""
-        plain = (importance is False or importance is True) and (sinks is None or type(sinks) is str)
+        # plain: Python scalars and flags (an array would make the key's
+        # comparison ambiguous before the validation could name it)
+        plain = (importance is False or importance is True) and (sinks is None or type(sinks) is str) \
+            and (scale is None or type(scale) is float) and (window is None or type(window) is int) \
+            and type(softcap) is float
         if plain:
             key = (nh, scale, window, softcap, sinks, importance, self._st.cap, self._lifecycle)
             memo = self._decode_memo

@@ -169,6 +169,9 @@ def test_a_repeated_decode_call_answers_as_a_fresh_layer_after_each_change():
     assert lay.imp.shape == (31,) and lay.imp[30] > 0
     with pytest.raises(ShapeError):      # a bad argument is refused, memo or not
         lay.attend_layer(q[:3], importance=False)
+    for bad in (dict(scale=np.array([0.5, 0.5])), dict(window=np.array([3, 4])), dict(scale=-1.0)):
+        with pytest.raises(KvregError):
+            lay.attend_layer(q, importance=False, **bad)
     cap = lay._st.cap                    # a window past it is clamped to it
     w = cap + 5
     lay.attend_layer(q, importance=False, window=w)
