@@ -150,27 +150,31 @@ def torch_spins() -> bool:
         return False
 
 
-_torch_model = False
+#: Per thread: whether the calling thread is inside a torch model's forward.
+_model = threading.local()
 
 
-def set_torch_model(on: bool) -> None:
-    """Say whether kvreg is called from inside a torch model's forward pass
-    (:class:`kvreg.integrations.transformers.KvregCache` says so when it is
-    made). There, with torch on several threads (:func:`torch_spins`), torch's
-    OpenMP workers spin between its ops, and kvreg-numba's decode runs its
-    parallel work on them (a ``prange`` region) instead of on threads of its
-    own that would compete with them for the cores. Outside a model those
-    workers sleep, and its own helper threads ride out a busy neighbour
-    better (docs/threads.md). Process-wide."""
-    global _torch_model
+def set_torch_model(on: bool) -> bool:
+    """Say whether the calling thread is inside a torch model's forward pass
+    (:class:`kvreg.integrations.transformers.KvregCache` says so for the span
+    of each of its attention calls). There, with torch on several threads
+    (:func:`torch_spins`), torch's OpenMP workers spin between its ops, and
+    kvreg-numba's decode runs its parallel work on them (a ``prange``
+    region) instead of on threads of its own that would compete with them
+    for the cores. Outside a model those workers sleep, and its own helper
+    threads ride out a busy neighbour better (docs/threads.md). Returns the
+    previous value, to put back."""
     if on is not True and on is not False:
         raise ConfigError(f"kvreg.threads.set_torch_model(on) takes True or False, got {on!r}")
-    _torch_model = on
+    prev = getattr(_model, "on", False)
+    _model.on = on
+    return prev
 
 
 def torch_model() -> bool:
-    """What :func:`set_torch_model` was told last (False by default)."""
-    return _torch_model
+    """Whether the calling thread is inside a torch model's forward
+    (:func:`set_torch_model`; False by default)."""
+    return getattr(_model, "on", False)
 
 
 def explicit_threads() -> int | None:

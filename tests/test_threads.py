@@ -134,14 +134,22 @@ def test_torch_spins_only_with_torch_on_more_than_one_thread(monkeypatch):
     assert threads.torch_spins()
 
 
-def test_set_torch_model_takes_a_bool(monkeypatch):
-    monkeypatch.setattr(threads, "_torch_model", False)
+def test_set_torch_model_takes_a_bool_per_thread():
+    import threading
+
     assert threads.torch_model() is False
-    threads.set_torch_model(True)
-    assert threads.torch_model() is True
-    for bad in (1, "yes", None):
-        with pytest.raises(kvreg.ConfigError, match="True or False"):
-            threads.set_torch_model(bad)
-        assert threads.torch_model() is True   # a refused value changes nothing
-    threads.set_torch_model(False)
+    assert threads.set_torch_model(True) is False
+    try:
+        assert threads.torch_model() is True
+        for bad in (1, "yes", None):
+            with pytest.raises(kvreg.ConfigError, match="True or False"):
+                threads.set_torch_model(bad)
+            assert threads.torch_model() is True   # a refused value changes nothing
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(threads.torch_model()))
+        t.start()
+        t.join()
+        assert seen == [False]                     # another thread is not inside the model
+    finally:
+        assert threads.set_torch_model(False) is True
     assert threads.torch_model() is False

@@ -62,14 +62,20 @@ def test_f32_greedy_tokens_equal_dynamic_cache(lm, backend):
     assert cache.get_seq_length() == got.shape[1] - 1   # the last token is never fed
 
 
-def test_a_kvreg_cache_tells_kvreg_it_runs_inside_a_torch_model(lm, monkeypatch):
+def test_kvreg_knows_it_runs_inside_the_model_during_its_attention_calls(lm, monkeypatch):
     # kvreg-numba's decode then runs on torch's spinning OpenMP workers
-    # (kvreg.threads.set_torch_model, docs/threads.md)
+    # (kvreg.threads.set_torch_model, docs/threads.md); outside the calls,
+    # e.g. a standalone decode in the same process, it does not
     from kvreg import threads
 
-    monkeypatch.setattr(threads, "_torch_model", False)
-    KvregCache(lm[1], mode="f32")
-    assert threads.torch_model() is True
+    name, model, tok = lm
+    seen = []
+    real = KvregCache._attend
+    monkeypatch.setattr(KvregCache, "_attend", lambda self, *a, **kw: (seen.append(threads.torch_model()),
+                                                                       real(self, *a, **kw))[1])
+    _generate(model, tok(PROMPT, return_tensors="pt"), KvregCache(model, mode="f32"), n=2)
+    assert seen and all(seen)
+    assert threads.torch_model() is False
 
 
 def test_past_key_values_keyword_works_too(lm):

@@ -78,7 +78,7 @@ from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
 from .._o1_layer import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
-from ..threads import set_torch_model
+from ..threads import _model
 
 try:
     import torch
@@ -124,9 +124,17 @@ def kvreg_attention_forward(module, query, key, value, attention_mask, **kwargs)
     tag = getattr(key, "_kvreg_tag", None)
     if tag is None or tag.value is not value:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    return tag.cache._attend(tag.layer_idx, query, key, value, attention_mask,
-                             scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
-                             sliding_window=kwargs.get("sliding_window"))
+    # kvreg runs inside the model's forward for this call: its decode may use
+    # torch's spinning OpenMP workers (kvreg.threads.set_torch_model; the
+    # thread-local read and written directly, a frame costs µs in a model)
+    prev = getattr(_model, "on", False)
+    _model.on = True
+    try:
+        return tag.cache._attend(tag.layer_idx, query, key, value, attention_mask,
+                                 scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
+                                 sliding_window=kwargs.get("sliding_window"))
+    finally:
+        _model.on = prev
 
 
 def _register() -> None:
@@ -258,7 +266,6 @@ class KvregCache(Cache):
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        set_torch_model(True)   # kvreg's decode runs inside this model's forward (kvreg.threads)
 
     # ── the per-sequence kvreg caches ──
 

@@ -2088,8 +2088,9 @@ def _run(nbytes, nfloats, *args):
     # a helper may share its core with one (SmolLM2 at 4k rows, 2 cores:
     # ~24 ms of attention a token on two threads, ~20 on one): there the
     # count is measured (kvreg.threads.Chooser, "numba.decode"). Inside a
-    # torch model's forward (kvreg.threads.torch_model) the tasks run in a
-    # prange region on those spinning workers instead (~14-15 ms); a region
+    # torch model's forward (kvreg.threads.torch_model: KvregCache's
+    # attention calls) the tasks run in a prange region on those spinning
+    # workers instead (~14-15 ms); a region
     # waits for its slowest worker, which the chooser's one-thread count
     # bounds beside a busy neighbour.
     spins = torch_spins()

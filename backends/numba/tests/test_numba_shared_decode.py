@@ -9,6 +9,7 @@ helper is busy."""
 
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -143,7 +144,8 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     par = K.attend_groups_par
     monkeypatch.setattr(K, "attend_groups_par", lambda *a: (regions.append(a[-1]), par(*a)))
     monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
-    monkeypatch.setattr(threads, "_torch_model", True)
+    monkeypatch.setattr(threads, "_model", threading.local())   # this test's own, dropped after it
+    threads.set_torch_model(True)
     monkeypatch.setattr(K, "torch_spins", lambda: False)
     want = lay.attend_layer(q)
     assert posted == [1] and not regions and ch.last == {2: now, 1: now}   # no torch: the budget, unmeasured
