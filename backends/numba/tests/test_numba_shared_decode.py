@@ -75,7 +75,7 @@ def test_the_caller_copies_finished_tasks_and_takes_back_held_ones(mode, imp):
 @pytest.mark.parametrize("imp", [False, True])
 @pytest.mark.parametrize("mode", ["f32", "f16", "q8"])
 def test_the_prange_decode_gives_the_single_threads_bits(mode, imp):
-    # attend_groups_par: the decode inside a torch host, its tasks in a
+    # attend_groups_par: the decode inside a torch model, its tasks in a
     # prange region; worker counts past the task count are clamped.
     args, nfloats, ntask = _call(mode=mode, imp=imp)
     want, want_imp = _run_alone(args, nfloats)
