@@ -2090,9 +2090,9 @@ def _run(nbytes, nfloats, *args):
     # count is measured (kvreg.threads.Chooser, "numba.decode"). Inside a
     # torch model's forward (kvreg.threads.torch_model: KvregCache's
     # attention calls) the tasks run in a prange region on those spinning
-    # workers instead (~14-15 ms); a region
-    # waits for its slowest worker, which the chooser's one-thread count
-    # bounds beside a busy neighbour.
+    # workers instead (~14-15 ms); a region waits for its slowest worker,
+    # which the chooser's one-thread count bounds beside a busy neighbour.
+    # The numba count is set and put back as thread_budget does, inline.
     spins = torch_spins()
     n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
     t0 = time.perf_counter_ns() if chooser is not None else 0
