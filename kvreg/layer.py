@@ -302,8 +302,10 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         (``Q8_ABS_MAX``), whose squares would make the field inf.
         """
         nkv, hd = self.num_kv_heads, self.head_dim
-        k = V.rows("k", k, nkv, hd)
-        v = V.rows("v", v, nkv, hd)
+        self._append(V.rows("k", k, nkv, hd), V.rows("v", v, nkv, hd), alive)
+
+    def _append(self, k: np.ndarray, v: np.ndarray, alive) -> None:
+        nkv = self.num_kv_heads
         st = self._st
         if alive is None and self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
             # The decode hot paths (every head alive and level): what _extend
@@ -580,7 +582,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         :func:`kvreg.attend_batch` is this call for many sequences at once.
         """
         q = V.heads("q_all", q_all, self.head_dim)
-        args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
+        return self._attend_layer(q, self._decode_args(q.shape[0], scale, window, softcap, sinks, importance))
+
+    def _attend_layer(self, q: np.ndarray, args: dict) -> np.ndarray:
         life = self._lifecycle
         if life is Lifecycle.SEALED:
             return self._o1_auto_attend(q)
@@ -592,6 +596,37 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if life is Lifecycle.COLLECTING:
             self._o1_record(q)
         return out
+
+    def append_attend(self, k, v, q_all, *, scale: float | None = None, window: int | None = None,
+                      softcap: float = 0.0, sinks="layer", importance: bool = True) -> np.ndarray:
+        """A decode step: :meth:`append` of one position (``k``, ``v``), then
+        :meth:`attend_layer` of ``q_all`` over the rows with it; the same
+        answer and the same state as those two calls, bit for bit. The
+        query, the rows and the attention's arguments are all checked before
+        the row is stored: a refused call stores nothing.
+
+        Where the backend has a fused kernel
+        (:meth:`~kvreg.plugin.Backend.append_attend_layer`: numba, F32
+        rows) the row is written and attended in one launch, which saves the
+        two calls' Python and NumPy work (each call costs µs inside a model,
+        whose matmuls evict the interpreter's working set between layers)."""
+        nkv, hd = self.num_kv_heads, self.head_dim
+        q = V.heads("q_all", q_all, hd)
+        k = V.rows("k", k, nkv, hd)
+        v = V.rows("v", v, nkv, hd)
+        args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
+        if self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
+            out = self._st.append_row_attend_by(k, v, self.backend.append_attend_layer, q=q, scale=args["scale"],
+                                                window=args["window"], softcap=args["softcap"],
+                                                sinks=args["sinks"], importance=args["imp"] is not None)
+            if out is not None:
+                self._fresh = None
+                self._seq_len += 1
+                return out
+        self._append(k, v, None)
+        # asked again: the append may have grown the capacity a window is
+        # clamped to, or sealed the layer
+        return self._attend_layer(q, self._decode_args(q.shape[0], scale, window, softcap, sinks, importance))
 
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
         """``attend_layer``'s arguments checked and resolved for the kernel

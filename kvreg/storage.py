@@ -78,11 +78,14 @@ class _Rows:
     drops it whenever it replaces an array, and a backend checks it against
     an array of the view it reads (identity), so a stale memo is never used."""
 
-    __slots__ = ("holders", "memo", "shared", "__weakref__")
+    __slots__ = ("holders", "memo", "row_memo", "shared", "__weakref__")
 
     def __init__(self, holder: "LayerStorage"):
         self.holders = weakref.WeakSet([holder])
         self.memo = None
+        #: ``memo``'s twin for the writable arrays a fused decode step writes
+        #: (:meth:`LayerStorage.append_row_attend_by`).
+        self.row_memo = None
         #: Whether a second holder ever joined: until then a write needs no
         #: look at the WeakSet (whose len is Python code, on every append).
         self.shared = False
@@ -352,7 +355,7 @@ class LayerStorage:
         """What was derived from the arrays an array replacement outdates: the
         view's blocks, its still counts, a backend's memo on the owner."""
         self._blocks = self._still = None
-        self._rows.memo = None
+        self._rows.memo = self._rows.row_memo = None
 
     def _rewritten(self) -> None:
         """A mutation a copy cannot follow by row counts: every row may differ."""
@@ -472,6 +475,27 @@ class LayerStorage:
         self._imp[self.seq_len] = 0.0
         self.seq_len += 1
         self._touch()
+
+    def append_row_attend_by(self, k: np.ndarray, v: np.ndarray, kernel, **attend) -> np.ndarray | None:
+        """:meth:`append_row` and the decode attention over the rows with it
+        in one backend call: ``kernel`` is the backend's
+        :meth:`~kvreg.plugin.Backend.append_attend_layer` (``attend``: the
+        query and the attention's arguments). Returns its answer, or None
+        having stored nothing: not float32 rows, no room, heads holding
+        different counts, or no fused kernel (the layer then appends and
+        attends in two calls)."""
+        if self._quantized or self._half or self.seq_len >= self._imp.shape[0]:
+            return None
+        rows = self._rows
+        if rows.shared and len(rows.holders) > 1:
+            self._own()
+            rows = self._rows
+        out = kernel(k, v, kf=self.k, vf=self.v, lens=self.lens, imp=self._imp, seq=self.seq_len, owner=rows,
+                     **attend)
+        if out is not None:
+            self.seq_len += 1
+            self._touch()
+        return out
 
     def window_rows(self) -> bool:
         """Whether a row appends through :meth:`append_window_row`: a q8

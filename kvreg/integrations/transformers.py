@@ -487,9 +487,8 @@ class KvregCache(Cache):
             # numpy or Python call here costs several µs inside the model).
             layer = self._seqs[0].layers[layer_idx]
             if layer.lifecycle is Lifecycle.PLAIN and self.o1 is None and not isinstance(self.policy, Born):
-                layer.append(_host(key)[0, :, 0], _host(value)[0, :, 0])
-                out = layer.attend_layer(_host(query)[0, :, 0], scale=scale, window=window,
-                                         importance=False).reshape(1, 1, nh, hd)
+                out = layer.append_attend(_host(key)[0, :, 0], _host(value)[0, :, 0], _host(query)[0, :, 0],
+                                          scale=scale, window=window, importance=False).reshape(1, 1, nh, hd)
                 self._bound(layer, window)
             else:
                 out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],

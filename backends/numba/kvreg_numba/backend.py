@@ -254,6 +254,20 @@ class NumbaBackend(ReferenceBackend):
         return self._k.attend_kv(q, self._k.frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
                                  softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
+    def append_attend_layer(self, k, v, q, *, kf, vf, lens, imp, seq, owner, scale, window=None, softcap=0.0,
+                            sinks=None, importance=False):
+        """The row stored and the layer attended in one launch
+        (:func:`kvreg_numba.kernels.append_attend_kv`). f16/bf16 rows are
+        left to the layer's two calls (their rounding is NumPy's)."""
+        if kf.dtype != np.float32 or vf.dtype != np.float32:
+            return None
+        memo = owner.row_memo
+        if memo is None or memo[0] is not kf or memo[1] is not vf:
+            memo = owner.row_memo = (kf, vf, self._k._kv_args(kf, None, None, None, None, vf, None, None, None,
+                                                                None, None, None, None))
+        return self._k.append_attend_kv(k, v, q, lens, imp, seq, memo[2], window=int(window or 0), scale=scale,
+                                        softcap=softcap or 0.0, sinks=sinks, importance=importance)
+
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):
         every sequence's decode tasks in one task list, each running

@@ -1446,6 +1446,48 @@ def attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
             np.full(0, -1, np.int64), np.zeros((0, 0), np.float32))
 
 
+@njit(nogil=True, cache=_CACHE)
+def store_row(krow, vrow, kf, vf, lens, imp_all, seq):
+    """A decode step's row ``[nkv, hd]`` written where
+    :meth:`kvreg.storage.LayerStorage.append_row` writes it: slot
+    ``lens[0]`` of every head of the float32 blocks ``kf``/``vf`` (every
+    head holds ``lens[0]`` rows, the caller checked there is room), the
+    counts one up, ``imp_all[seq] = 0``."""
+    at = lens[0]
+    for g in range(kf.shape[0]):
+        kf[g, at] = krow[g]
+        vf[g, at] = vrow[g]
+    lens[:] = at + 1
+    imp_all[seq] = 0.0
+
+
+@njit(nogil=True, cache=_CACHE)
+def append_attend_groups(krow, vrow, imp_all, seq, importance, q, hpk, gids, firsts, ns, kf, kq, ks, kcol,
+                         kcol_set, vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk, thv, b8,
+                         scale, softcap, sinks, block, window, upto, imp, out, scratch, state, helpers):
+    """:func:`store_row` into ``kf``/``vf``/``ns``, then :func:`attend_groups`
+    over the rows with it, importance into ``imp_all[:seq + 1]`` when
+    ``importance`` (``imp`` is not read): a decode step in one dispatch."""
+    store_row(krow, vrow, kf, vf, ns, imp_all, seq)
+    upto_imp = seq + 1 if importance else 0
+    attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set, vf, vq, vs, vcol, vcol_set, kquant,
+                  vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, sinks, block, window, upto,
+                  imp_all[:upto_imp], out, scratch, state, helpers)
+
+
+@njit(nogil=True, cache=_CACHE)
+def append_attend_groups_par(krow, vrow, imp_all, seq, importance, q, hpk, gids, firsts, ns, kf, kq, ks,
+                             kcol, kcol_set, vf, vq, vs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, thk,
+                             thv, b8, scale, softcap, sinks, block, window, upto, imp, out, scratch, workers):
+    """:func:`append_attend_groups` with the attention in
+    :func:`attend_groups_par`'s region."""
+    store_row(krow, vrow, kf, vf, ns, imp_all, seq)
+    upto_imp = seq + 1 if importance else 0
+    attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set, vf, vq, vs, vcol, vcol_set, kquant,
+                      vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, sinks, block, window, upto,
+                      imp_all[:upto_imp], out, scratch, workers)
+
+
 # ---------------------------------------------------------------------------
 # batched decode: one launch for the same layer of B sequences
 # ---------------------------------------------------------------------------
@@ -2069,8 +2111,9 @@ def _helper_scratch(n, nfloats):
     return hs
 
 
-def _run(nbytes, nfloats, *args):
-    # ``args``: attend_groups' up to ``out``. Every task writes its own
+def _run(nbytes, nfloats, *args, row=None):
+    # ``args``: attend_groups' up to ``out``; ``row``: (krow, vrow, imp_all,
+    # seq, importance) to store first (append_attend_kv). Every task writes its own
     # slot and the merge runs in block order, so which thread ran a task
     # cannot change a bit. Inline, not thread_budget: inside a model each
     # Python frame costs (a context manager's ~14 µs with the caches
@@ -2079,7 +2122,10 @@ def _run(nbytes, nfloats, *args):
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
     if ntask < 2:
-        attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        if row is None:
+            attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        else:
+            append_attend_groups(*row, *args, scratch, _NO_STATE, _NO_HELPERS)
         return
     # The call is shared with helper threads that claim tasks from
     # ``state``: a helper without a core (a busy neighbour) costs the caller
@@ -2097,17 +2143,29 @@ def _run(nbytes, nfloats, *args):
     n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
     t0 = time.perf_counter_ns() if chooser is not None else 0
     if n < 2:
-        attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        if row is None:
+            attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
+        else:
+            append_attend_groups(*row, *args, scratch, _NO_STATE, _NO_HELPERS)
     elif spins and torch_model() and _in_torch_pool():
         old = _get_threads()
         if n != old:
             _set_threads(n)
         try:
-            attend_groups_par(*args, scratch, n)
+            if row is None:
+                attend_groups_par(*args, scratch, n)
+            else:
+                append_attend_groups_par(*row, *args, scratch, n)
         finally:
             if n != old:
                 _set_threads(old)
     else:
+        if row is not None:
+            # helpers read the rows as soon as they are posted: stored first
+            krow, vrow, imp_all, seq, importance = row
+            store_row(krow, vrow, args[5], args[10], args[4], imp_all, seq)
+            if importance:
+                args = (*args[:29], imp_all[:seq + 1], args[30])
         hs = _helper_scratch(n - 1, nfloats)
         claims = np.zeros(ntask, np.int64)
         _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
@@ -2161,6 +2219,36 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
          scale if type(scale) is np.float32 else np.float32(scale),
          _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, upto, _imp(imp), out)
+    return out
+
+
+def append_attend_kv(krow, vrow, q, lens, imp_all, seq, kv, *, scale, window=0, softcap=0.0, sinks=None,
+                     importance=False, block=None):
+    """A decode step on plain float32 rows in one launch: ``krow``/``vrow``
+    ``[nkv, hd]`` written to slot ``lens[0]`` of every head of ``kv``'s
+    blocks (a :func:`_kv_args` tuple of float32 ``kf``/``vf``, writable),
+    ``lens`` (writable int64) one up and ``imp_all[seq] = 0``, as
+    :meth:`kvreg.storage.LayerStorage.append_row` does, then
+    :func:`attend_kv` over the rows with it (its bits), importance into
+    ``imp_all[:seq + 1]`` when ``importance``. Returns None, having written
+    nothing, unless every head holds the same count and there is room (a
+    slot in the blocks and in ``imp_all``)."""
+    counts = lens.tolist()
+    at = counts[0]
+    kf = kv[0]
+    if at >= kf.shape[1] or seq >= imp_all.shape[0] or counts.count(at) != len(counts):
+        return None
+    nh, hd = q.shape
+    nkv = len(counts)
+    hpk = nh // nkv
+    out = np.empty((nh, hd), np.float32)
+    block = int(block or config.DECODE_BLOCK)
+    window = int(window)
+    nbytes, nfloats = plan_sizes([at + 1] * nkv, window, -1, block, hpk, hd, 8)
+    _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
+         scale if type(scale) is np.float32 else np.float32(scale),
+         _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
+         row=(krow, vrow, imp_all, seq, bool(importance)))
     return out
 
 

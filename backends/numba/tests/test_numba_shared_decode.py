@@ -164,6 +164,53 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     assert posted == [1] and regions == [2, 2] and ch.last[2] > before
 
 
+@pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
+@pytest.mark.parametrize("path", ["one thread", "helpers", "prange region"])
+def test_the_fused_decode_step_gives_append_then_attend_layers_bits(monkeypatch, path):
+    # LayerKvCache.append_attend on numba F32: the row stored inside the
+    # launch (append_attend_groups / _par), or before helpers are posted,
+    # then the same tasks and merge as attend_layer after an append.
+    from kvreg import threads
+
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4096, 8, 128)).astype(np.float32)
+    steps = rng.standard_normal((4, 2, 8, 128)).astype(np.float32)
+    q = rng.standard_normal((32, 128)).astype(np.float32)
+    monkeypatch.setenv("KVREG_THREADS", "1")
+    ref = kvreg.LayerKvCache(8, 128, "f32", "numba")
+    ref.extend(x, x)
+    want = []
+    for k, v in steps:
+        ref.append(k, v)
+        want.append(ref.attend_layer(q, window=3000))
+    posted, regions, fused = [], [], []
+    real = K._helpers.post
+    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    for name in ("attend_groups_par", "append_attend_groups_par", "append_attend_groups"):
+        kernel = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, kernel=kernel, name=name: (
+            (fused if name.startswith("append") else []).append(name),
+            regions.append(name) if name.endswith("par") else None, kernel(*a)))
+    monkeypatch.setattr(threads, "_model", threading.local())
+    if path != "one thread":
+        monkeypatch.setenv("KVREG_THREADS", "2")
+    if path == "prange region":
+        monkeypatch.setattr(K, "torch_spins", lambda: True)
+        monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
+        threads.set_torch_model(True)
+    lay = kvreg.LayerKvCache(8, 128, "f32", "numba")
+    lay.extend(x, x)
+    for (k, v), w in zip(steps, want):
+        np.testing.assert_array_equal(lay.append_attend(k, v, q, window=3000).view(np.uint32), w.view(np.uint32))
+    np.testing.assert_array_equal(lay.imp.view(np.uint32), ref.imp.view(np.uint32))
+    np.testing.assert_array_equal(lay.head_keys(7), ref.head_keys(7))
+    np.testing.assert_array_equal(lay.head_values(0), ref.head_values(0))
+    assert (len(posted), len(regions)) == {"one thread": (0, 0), "helpers": (4, 0), "prange region": (0, 4)}[path]
+    # the first step grows the capacity (append, then attend_layer); the
+    # others store their row in the launch, except before posting helpers
+    assert len(fused) == (0 if path == "helpers" else 3)
+
+
 _CHILD = """
 import os, sys, numpy as np, kvreg
 kvreg.set_num_threads(2)

@@ -1,0 +1,96 @@
+"""The decode step in one call, bit for bit WITHIN the backend under test:
+``LayerKvCache.append_attend(k, v, q)`` answers and stores exactly what
+``append(k, v)`` then ``attend_layer(q)`` do (a backend's fused kernel,
+``Backend.append_attend_layer``, included), and a refused call stores
+nothing."""
+
+import numpy as np
+import pytest
+
+from kvreg.errors import KvregError
+
+from .data import ALL_MODES, filled, queries, rng_rows
+
+MODE_IDS = [m.value for m in ALL_MODES]
+
+
+def _state(lay):
+    return (lay.seq_len, lay.imp.copy(),
+            [(lay.head_keys(h).copy(), lay.head_values(h).copy()) for h in range(lay.num_kv_heads)])
+
+
+def _same_state(check, a, b, what):
+    assert a[0] == b[0], f"{what}: seq_len {a[0]} != {b[0]}"
+    check.exact("importance", a[1], b[1], what)
+    for h, ((ka, va), (kb, vb)) in enumerate(zip(a[2], b[2])):
+        check.exact("keys", ka, kb, f"{what}: head {h}")
+        check.exact("values", va, vb, f"{what}: head {h}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("opt", ["plain", "window", "sinks_softcap_importance"])
+def test_append_attend_equals_append_then_attend_layer(backend, check, mode, opt):
+    nkv, hd, hpk = 2, 32, 3
+    # 61 rows, then steps across the first capacity growth and the q8 field's freeze
+    one, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
+    two, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
+    kw = {"scale": 0.2, "importance": False}
+    if opt == "window":
+        kw["window"] = 9
+    if opt == "sinks_softcap_importance":
+        kw.update(softcap=3.0, importance=True)
+        one.sinks = two.sinks = rng_rows(77, 1, nkv * hpk, 2.0)[0]
+    rows = rng_rows(11, 80, 2 * nkv * hd)
+    for step in range(80):
+        k, v = rows[step, :nkv * hd], rows[step, nkv * hd:]
+        q = queries(step, nkv * hpk, hd, 2.0)
+        one.append(k, v)
+        want = one.attend_layer(q, **kw)
+        got = two.append_attend(k, v, q, **kw)
+        check.exact("append_attend", got, want, f"{mode.value} {opt} step {step}")
+    _same_state(check, _state(two), _state(one), f"{mode.value} {opt} after 80 steps")
+
+
+@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "f16", "q8")], ids=lambda m: m.value)
+def test_append_attend_on_a_fork_leaves_the_parent_as_it_was(backend, check, mode):
+    nkv, hd = 2, 32
+    parent, _, _ = filled(backend, nkv, hd, mode, 70, seed=4)
+    twin, _, _ = filled(backend, nkv, hd, mode, 70, seed=4)
+    before = _state(parent)
+    child = parent.fork()
+    row = rng_rows(12, 1, 2 * nkv * hd)[0]
+    q = queries(5, 2 * nkv, hd)
+    got = child.append_attend(row[:nkv * hd], row[nkv * hd:], q, scale=0.3)
+    twin.append(row[:nkv * hd], row[nkv * hd:])
+    check.exact("append_attend", got, twin.attend_layer(q, scale=0.3), f"{mode.value} fork")
+    _same_state(check, _state(parent), before, f"{mode.value}: the parent after its fork's step")
+    _same_state(check, _state(child), _state(twin), f"{mode.value}: the fork")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "bf16", "q8")], ids=lambda m: m.value)
+def test_a_refused_append_attend_stores_nothing(backend, mode):
+    nkv, hd = 2, 32
+    lay, _, _ = filled(backend, nkv, hd, mode, 20, seed=6)
+    before = _state(lay)
+    k, v = rng_rows(13, 2, nkv * hd)
+    q = queries(1, 2 * nkv, hd)
+    bad = [
+        dict(q_all=queries(1, 2 * nkv + 1, hd)),          # heads not a multiple of the KV heads
+        dict(q_all=np.zeros((4, hd + 1), np.float32)),     # wrong head_dim
+        dict(k=np.zeros(nkv * hd + 1, np.float32)),        # a row of the wrong size
+        dict(scale=-1.0),
+        dict(window=0),
+        dict(softcap=-2.0),
+        dict(importance="yes"),
+        dict(sinks=np.zeros(3, np.float32)),               # one sink per query head expected
+    ]
+    for change in bad:
+        args = dict(k=k, v=v, q_all=q)
+        args.update({n: change.pop(n) for n in ("k", "q_all") if n in change})
+        with pytest.raises(KvregError):
+            lay.append_attend(args["k"], args["v"], args["q_all"], **change)
+        after = _state(lay)
+        assert after[0] == before[0], f"{mode.value}: a refused call ({change or 'shape'}) stored a row"
+        np.testing.assert_array_equal(after[2][0][0], before[2][0][0])
