@@ -21,7 +21,10 @@ Each step is split by timing the calls that are actually made
   store into kvreg and the sliding layers' trims (``LayerKvCache.append``,
   ``extend``, ``evict``, ...: :data:`_STORE_METHODS`), which the integration
   runs inside its attention function (transformers' sliding layers trim
-  inside ``update``);
+  inside ``update``). A decode step of one sequence stores its row inside
+  ``LayerKvCache.append_attend`` (on numba's F32 rows, in the attention's
+  own launch), so there the store counts as **attention**: compare kvreg
+  and transformers on cache + attention;
 - **attention**: the attention function the model dispatches to through
   ``ALL_ATTENTION_FUNCTIONS`` (``"sdpa"`` for transformers' caches,
   ``"kvreg"`` for ``KvregCache``: conversion to numpy, ``attend_layer`` /
@@ -397,7 +400,8 @@ def format_report(res: dict) -> str:
                 v = r["prefill_attention_vs_sdpa"]
                 lines.append(f"target {name}: prefill attention of a {res['context']}-token chunk <= SDPA's: "
                              f"{v:.2f}x {'met' if v <= PREFILL_TARGET else 'MISSED'}")
-    lines += ["", "cache: the cache's update call (+ kvreg's LayerKvCache append/extend/evict); attention: the "
+    lines += ["", "cache: the cache's update call (+ kvreg's LayerKvCache append/extend/evict; a decode step's "
+              "row is stored inside append_attend, counted as attention); attention: the "
               "registered attention function (sdpa / kvreg), less kvreg's store calls; rest: step - cache - attention. "
               "Medians over every timed step; prefill: one chunk, all layers."]
     return "\n".join(lines)

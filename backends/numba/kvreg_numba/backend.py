@@ -76,6 +76,7 @@ _NO_Q = np.zeros((0, 0, 0), np.int8)
 _NO_S = np.zeros((0, 0, 0), np.float32)
 _NO_VS = np.zeros((0, 0), np.float32)
 _NO_F = _NO_S
+_F32 = np.dtype(np.float32)
 #: Q8_ABS_MAX as the float32 the comparison with a float32 row uses.
 _Q8_BOUND = np.float32(Q8_ABS_MAX)
 
@@ -259,7 +260,7 @@ class NumbaBackend(ReferenceBackend):
         """The row stored and the layer attended in one launch
         (:func:`kvreg_numba.kernels.append_attend_kv`). f16/bf16 rows are
         left to the layer's two calls (their rounding is NumPy's)."""
-        if kf.dtype != np.float32 or vf.dtype != np.float32:
+        if kf.dtype is not _F32 or vf.dtype is not _F32:
             return None
         memo = owner.row_memo
         if memo is None or memo[0] is not kf or memo[1] is not vf:
