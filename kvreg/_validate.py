@@ -137,6 +137,15 @@ def heads(name: str, x, hd: int) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def out_block(name: str, x, shape: tuple[int, ...]) -> np.ndarray:
+    """An output buffer: a writable C-contiguous float32 array of ``shape``."""
+    if not (type(x) is np.ndarray and x.dtype is _F32 and x.shape == shape and x.flags.c_contiguous
+            and x.flags.writeable):
+        what = (f"{type(x).__name__} {getattr(x, 'dtype', '')} {getattr(x, 'shape', '')}").strip()
+        raise ShapeError(f"{name} must be a writable C-contiguous float32 array of shape {shape}, got {what}")
+    return x
+
+
 def batch_heads(name: str, x, batch: int, hd: int) -> np.ndarray:
     """``[batch, nheads, hd]`` -> float32 (the queries of a batched decode)."""
     a = _as_f32(name, x)

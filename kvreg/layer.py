@@ -598,7 +598,8 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         return out
 
     def append_attend(self, k, v, q_all, *, scale: float | None = None, window: int | None = None,
-                      softcap: float = 0.0, sinks="layer", importance: bool = True) -> np.ndarray:
+                      softcap: float = 0.0, sinks="layer", importance: bool = True,
+                      out: np.ndarray | None = None) -> np.ndarray:
         """A decode step: :meth:`append` of one position (``k``, ``v``), then
         :meth:`attend_layer` of ``q_all`` over the rows with it; the same
         answer and the same state as those two calls, bit for bit. The
@@ -609,24 +610,32 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         (:meth:`~kvreg.plugin.Backend.append_attend_layer`: numba, F32
         rows) the row is written and attended in one launch, which saves the
         two calls' Python and NumPy work (each call costs µs inside a model,
-        whose matmuls evict the interpreter's working set between layers)."""
+        whose matmuls evict the interpreter's working set between layers).
+        ``out``: a C-contiguous float32 ``[num_heads, hd]`` array the answer
+        is written to and returned (a host's own buffer: no allocation)."""
         nkv, hd = self.num_kv_heads, self.head_dim
         q = V.heads("q_all", q_all, hd)
         k = V.rows("k", k, nkv, hd)
         v = V.rows("v", v, nkv, hd)
         args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
+        if out is not None:
+            V.out_block("out", out, q.shape)
         if self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
-            out = self._st.append_row_attend_by(k, v, self.backend.append_attend_layer, q=q, scale=args["scale"],
+            got = self._st.append_row_attend_by(k, v, self.backend.append_attend_layer, q=q, scale=args["scale"],
                                                 window=args["window"], softcap=args["softcap"],
-                                                sinks=args["sinks"], importance=args["imp"] is not None)
-            if out is not None:
+                                                sinks=args["sinks"], importance=args["imp"] is not None, out=out)
+            if got is not None:
                 self._fresh = None
                 self._seq_len += 1
-                return out
+                return got
         self._append(k, v, None)
         # asked again: the append may have grown the capacity a window is
         # clamped to, or sealed the layer
-        return self._attend_layer(q, self._decode_args(q.shape[0], scale, window, softcap, sinks, importance))
+        got = self._attend_layer(q, self._decode_args(q.shape[0], scale, window, softcap, sinks, importance))
+        if out is None:
+            return got
+        out[...] = got
+        return out
 
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
         """``attend_layer``'s arguments checked and resolved for the kernel

@@ -413,7 +413,7 @@ class Backend(abc.ABC):
     def append_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, *, kf: np.ndarray,
                             vf: np.ndarray, lens: np.ndarray, imp: np.ndarray, seq: int, owner, scale: float,
                             window: int | None = None, softcap: float = 0.0, sinks: np.ndarray | None = None,
-                            importance: bool = False) -> np.ndarray | None:
+                            importance: bool = False, out: np.ndarray | None = None) -> np.ndarray | None:
         """Optional: a decode step of an F32 storage in one call. First check
         that every head holds the same count ``n`` (``lens``, int64) and that
         slot ``n`` of the float32 blocks ``kf``/``vf`` ``[nkv, cap, hd]``
@@ -422,7 +422,8 @@ class Backend(abc.ABC):
         ``[nkv, hd]`` float32 to slot ``n`` of every head, ``lens`` one up,
         ``imp[seq] = 0``) and answer :meth:`attend_layer` of ``q`` over the
         rows with it, bit for bit, accumulating importance into ``imp[:seq +
-        1]`` when ``importance``. ``owner`` is the rows' identity (its
+        1]`` when ``importance``, into ``out`` (float32 ``[nh, hd]``) when
+        given. ``owner`` is the rows' identity (its
         ``row_memo`` is the backend's, as ``memo`` is for views). Return
         None, having written nothing, to leave the step to ``append`` and
         ``attend_layer`` (this default)."""

@@ -329,3 +329,29 @@ def test_fork_shares_a_prefilled_prompt_and_continues_as_a_fresh_prefill(lm):
     held = kvreg.resident_bytes([c.sequences for c in [parent] + forks])
     assert held < 1.25 * alone, (name, held, alone)
     assert parent.memory_bytes() == alone
+
+
+def test_a_forks_decode_step_leaves_its_siblings_answer_alone(lm):
+    # A decode step writes each layer's answer into a buffer the cache
+    # reuses every token. A fork gets buffers of its own: two requests
+    # forked from one prompt may decode in two threads at once, so one's
+    # step must not overwrite the tensor the other's layer just returned.
+    from kvreg.integrations.transformers import kvreg_attention_forward
+
+    name, model, tok = lm
+    ids = tok(PROMPT, return_tensors="pt").input_ids[:, :40]
+    parent = KvregCache(model, mode="f32")
+    with torch.no_grad():
+        model(input_ids=ids, cache=parent, use_cache=True)
+    nh, nkv, hd = parent.num_heads, parent.num_kv_heads, parent.head_dim
+    gen = torch.Generator().manual_seed(0)
+    answers = []
+    for fork in (parent.fork(), parent.fork()):
+        k, v = (torch.randn(1, nkv, 1, hd, generator=gen) for _ in range(2))
+        q = torch.randn(1, nh, 1, hd, generator=gen)
+        k, v = fork.update(k, v, 0)
+        out, _ = kvreg_attention_forward(model.model.layers[0].self_attn, q, k, v, None)
+        answers.append((out, out.clone()))
+    assert not torch.equal(answers[0][1], answers[1][1])
+    for out, copy in answers:
+        assert torch.equal(out, copy), f"{name}: a sibling fork's step rewrote this fork's answer"

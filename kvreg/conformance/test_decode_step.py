@@ -68,6 +68,20 @@ def test_append_attend_on_a_fork_leaves_the_parent_as_it_was(backend, check, mod
     _same_state(check, _state(child), _state(twin), f"{mode.value}: the fork")
 
 
+@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "q8")], ids=lambda m: m.value)
+def test_append_attend_writes_its_answer_into_out(backend, check, mode):
+    nkv, hd = 2, 32
+    one, _, _ = filled(backend, nkv, hd, mode, 30, seed=8)
+    two, _, _ = filled(backend, nkv, hd, mode, 30, seed=8)
+    out = np.full((2 * nkv, hd), np.nan, np.float32)
+    for step, row in enumerate(rng_rows(14, 3, 2 * nkv * hd)):
+        q = queries(20 + step, 2 * nkv, hd)
+        got = one.append_attend(row[:nkv * hd], row[nkv * hd:], q, scale=0.25, out=out)
+        assert got is out
+        check.exact("append_attend out=", out, two.append_attend(row[:nkv * hd], row[nkv * hd:], q, scale=0.25),
+                    f"{mode.value} step {step}")
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "bf16", "q8")], ids=lambda m: m.value)
 def test_a_refused_append_attend_stores_nothing(backend, mode):
@@ -85,6 +99,8 @@ def test_a_refused_append_attend_stores_nothing(backend, mode):
         dict(softcap=-2.0),
         dict(importance="yes"),
         dict(sinks=np.zeros(3, np.float32)),               # one sink per query head expected
+        dict(out=np.zeros((2 * nkv + 1, hd), np.float32)),  # an output buffer of the wrong shape
+        dict(out=np.zeros((2 * nkv, hd), np.float64)),
     ]
     for change in bad:
         args = dict(k=k, v=v, q_all=q)

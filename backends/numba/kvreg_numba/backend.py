@@ -256,7 +256,7 @@ class NumbaBackend(ReferenceBackend):
                                  softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
     def append_attend_layer(self, k, v, q, *, kf, vf, lens, imp, seq, owner, scale, window=None, softcap=0.0,
-                            sinks=None, importance=False):
+                            sinks=None, importance=False, out=None):
         """The row stored and the layer attended in one launch
         (:func:`kvreg_numba.kernels.append_attend_kv`). f16/bf16 rows are
         left to the layer's two calls (their rounding is NumPy's)."""
@@ -267,7 +267,7 @@ class NumbaBackend(ReferenceBackend):
             memo = owner.row_memo = (kf, vf, self._k._kv_args(kf, None, None, None, None, vf, None, None, None,
                                                                 None, None, None, None))
         return self._k.append_attend_kv(k, v, q, lens, imp, seq, memo[2], window=int(window or 0), scale=scale,
-                                        softcap=softcap or 0.0, sinks=sinks, importance=importance)
+                                        softcap=softcap or 0.0, sinks=sinks, importance=importance, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

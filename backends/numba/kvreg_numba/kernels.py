@@ -2223,7 +2223,7 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
 
 
 def append_attend_kv(krow, vrow, q, lens, imp_all, seq, kv, *, scale, window=0, softcap=0.0, sinks=None,
-                     importance=False, block=None):
+                     importance=False, block=None, out=None):
     """A decode step on plain float32 rows in one launch: ``krow``/``vrow``
     ``[nkv, hd]`` written to slot ``lens[0]`` of every head of ``kv``'s
     blocks (a :func:`_kv_args` tuple of float32 ``kf``/``vf``, writable),
@@ -2241,7 +2241,8 @@ def append_attend_kv(krow, vrow, q, lens, imp_all, seq, kv, *, scale, window=0, 
     nh, hd = q.shape
     nkv = len(counts)
     hpk = nh // nkv
-    out = np.empty((nh, hd), np.float32)
+    if out is None:
+        out = np.empty((nh, hd), np.float32)
     block = int(block or config.DECODE_BLOCK)
     window = int(window)
     nbytes, nfloats = plan_sizes([at + 1] * nkv, window, -1, block, hpk, hd, 8)
