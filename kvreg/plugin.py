@@ -429,6 +429,22 @@ class Backend(abc.ABC):
         ``attend_layer`` (this default)."""
         return None
 
+    def append_window_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, st, *, imp: np.ndarray,
+                                   seq: int, owner, scale: float, window: int | None = None, softcap: float = 0.0,
+                                   sinks: np.ndarray | None = None, importance: bool = False,
+                                   out: np.ndarray | None = None) -> np.ndarray | None:
+        """Optional: a decode step of a q8 (q8k, q8v) storage ``st`` (a
+        :class:`kvreg.storage.LayerStorage`, read as a view would be) whose
+        float16 window is full, in one call: :meth:`store_window_row`'s
+        checks and writes (``imp``/``seq`` its importance slot), then
+        :meth:`attend_layer` of ``q`` over the rows with it, in the rotated
+        basis where a side rotates (as ``LayerKvCache`` does with
+        :meth:`rotate_rows`), bit for bit, importance into ``imp[:seq + 1]``
+        when ``importance``, into ``out`` when given; ``owner.row_memo`` is
+        the backend's. Return None, having written nothing, to leave the step
+        to ``append`` and ``attend_layer`` (this default)."""
+        return None
+
     # ── bounded layers ──
 
     @abc.abstractmethod

@@ -540,6 +540,24 @@ class LayerStorage:
         self.seq_len += 1
         self._touch()
 
+    def append_window_row_attend_by(self, k: np.ndarray, v: np.ndarray, kernel, **attend) -> np.ndarray | None:
+        """:meth:`append_window_row` and the decode attention over the rows
+        with it in one backend call: ``kernel`` is the backend's
+        :meth:`~kvreg.plugin.Backend.append_window_attend_layer`. Returns its
+        answer, or None having stored nothing (the layer then appends and
+        attends in two calls)."""
+        if self.mode.tiered or self.lens.item(0) >= self.cap or self.seq_len >= self._imp.shape[0]:
+            return None
+        rows = self._rows
+        if rows.shared and len(rows.holders) > 1:
+            self._own()
+            rows = self._rows
+        out = kernel(k, v, attend.pop("q"), self, imp=self._imp, seq=self.seq_len, owner=rows, **attend)
+        if out is not None:
+            self.seq_len += 1
+            self._touch()
+        return out
+
     @_writes
     def append_window_row_by(self, k: np.ndarray, v: np.ndarray, kernel) -> bool:
         """:meth:`append_window_row` in one backend call: ``kernel`` is the

@@ -221,10 +221,11 @@ class NumbaBackend(ReferenceBackend):
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         self._k = _load_kernels()
         from .quant import fwht_rows  # numba imported by _load_kernels: its failure is a BackendError there
-        from .window import window_row_step
+        from .window import append_window_attend, window_row_step
 
         self._fwht_rows = fwht_rows
         self._window_row_step = window_row_step
+        self._append_window_attend = append_window_attend
         self._windows = {}   # id -> (float16 window, its int16 view): _bits
         self._rows = None  # batch rows, built at the first attend_batch
 
@@ -268,6 +269,38 @@ class NumbaBackend(ReferenceBackend):
                                                                 None, None, None, None))
         return self._k.append_attend_kv(k, v, q, lens, imp, seq, memo[2], window=int(window or 0), scale=scale,
                                         softcap=softcap or 0.0, sinks=sinks, importance=importance, out=out)
+
+    def append_window_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0,
+                                   sinks=None, importance=False, out=None):
+        """:meth:`store_window_row` and the layer attended in one launch
+        (:func:`kvreg_numba.window.append_window_attend`) where the decode
+        runs on one thread; elsewhere None (the layer's two calls)."""
+        hd = k.shape[1]
+        if (st.rot_k or st.rot_v) and hd & (hd - 1):
+            return None    # rotate_rows is NumPy's there
+        memo = owner.row_memo
+        anchor = st.kq if st.k is None else st.k
+        if memo is None or memo[0] is not anchor:
+            a = _storage_args(st)
+            for name in self._k.KV_COUNT_AT:   # counts: spliced in per call
+                if a[name] is not None:
+                    a[name] = st.lens[:0]
+            args = self._k._kv_args(**a)
+            counts = tuple(n for n in self._k.KV_COUNT_AT if a[n] is not None)
+            # store_window_row's arrays: a side's window as int16 bits, stand-ins for what it lacks
+            thk, kq, ks, kf = ((args[15], st.kq, st.ks, _NO_F) if st.thk is not None else
+                               (_NO_WINDOW, _NO_Q, _NO_S, st.k))
+            thv, vq, vs, vf = ((args[16], st.vq, st.vs, _NO_F) if st.thv is not None else
+                               (_NO_WINDOW, _NO_Q, _NO_VS, st.v))
+            memo = owner.row_memo = (anchor, args, self._k.kv_elem_bytes(args), counts,
+                                     (st.rot_k, st.rot_v, thk, thv, kq, ks, vq, vs, kf, vf))
+        args = list(memo[1])
+        for name in memo[3]:
+            args[self._k.KV_COUNT_AT[name]] = getattr(st, name)
+        step = (self._append_window_attend, (k, v, *memo[4], st.lens, st.b8, imp, seq,
+                                             st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
+        return self._k.append_window_attend_kv(step, q, st.lens, tuple(args), memo[2], window=int(window or 0),
+                                               scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

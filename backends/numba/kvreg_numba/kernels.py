@@ -2111,9 +2111,13 @@ def _helper_scratch(n, nfloats):
     return hs
 
 
-def _run(nbytes, nfloats, *args, row=None):
+def _run(nbytes, nfloats, *args, row=None, step=None):
     # ``args``: attend_groups' up to ``out``; ``row``: (krow, vrow, imp_all,
-    # seq, importance) to store first (append_attend_kv). Every task writes its own
+    # seq, importance) to store first (append_attend_kv); ``step``: (kernel,
+    # its leading arguments), a one-thread kernel that stores a row and
+    # attends (window.append_window_attend): its answer (whether it stored),
+    # or None, having run nothing, where the call would share threads.
+    # Every task writes its own
     # slot and the merge runs in block order, so which thread ran a task
     # cannot change a bit. Inline, not thread_budget: inside a model each
     # Python frame costs (a context manager's ~14 µs with the caches
@@ -2122,11 +2126,13 @@ def _run(nbytes, nfloats, *args, row=None):
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
     if ntask < 2:
+        if step is not None:
+            return step[0](*step[1], *args, scratch, _NO_STATE, _NO_HELPERS)
         if row is None:
             attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
         else:
             append_attend_groups(*row, *args, scratch, _NO_STATE, _NO_HELPERS)
-        return
+        return True
     # The call is shared with helper threads that claim tasks from
     # ``state``: a helper without a core (a busy neighbour) costs the caller
     # one block at most, so the budget runs unmeasured. But inside a torch
@@ -2141,8 +2147,13 @@ def _run(nbytes, nfloats, *args, row=None):
     # The numba count is set and put back as thread_budget does, inline.
     spins = torch_spins()
     n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
+    if step is not None and n > 1:
+        return None
     t0 = time.perf_counter_ns() if chooser is not None else 0
-    if n < 2:
+    done = True
+    if n < 2 and step is not None:
+        done = step[0](*step[1], *args, scratch, _NO_STATE, _NO_HELPERS)
+    elif n < 2:
         if row is None:
             attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
         else:
@@ -2170,8 +2181,9 @@ def _run(nbytes, nfloats, *args, row=None):
         claims = np.zeros(ntask, np.int64)
         _helpers.post([(*args, hs[i], claims, HELPER + 2 * i) for i in range(min(n - 1, ntask - 1))])
         attend_groups(*args, scratch, claims, hs)
-    if chooser is not None:
+    if chooser is not None and done:
         chooser.record(n, budget, nbytes, time.perf_counter_ns() - t0)
+    return done
 
 
 def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
@@ -2251,6 +2263,32 @@ def append_attend_kv(krow, vrow, q, lens, imp_all, seq, kv, *, scale, window=0, 
          _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
          row=(krow, vrow, imp_all, seq, bool(importance)))
     return out
+
+
+def append_window_attend_kv(step, q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None,
+                            importance=False, block=None, out=None):
+    """A q8 (q8k, q8v) decode step in one launch where it runs on one thread:
+    ``step`` is :func:`kvreg_numba.window.append_window_attend` with its
+    leading arguments up to ``importance`` (the row, the storage's arrays
+    as ``window_row_step`` takes them), ``kv``/``elem`` the storage's
+    :func:`_kv_args` tuple (its counts the storage's own, writable) and
+    bytes per channel. Returns the answer, or None, having written nothing
+    (not that state, a value the store refuses, or work that would share
+    threads: the layer's two calls take it)."""
+    counts = lens.tolist()
+    nh, hd = q.shape
+    nkv = len(counts)
+    hpk = nh // nkv
+    if out is None:
+        out = np.empty((nh, hd), np.float32)
+    block = int(block or config.DECODE_BLOCK)
+    window = int(window)
+    nbytes, nfloats = plan_sizes([n + 1 for n in counts], window, -1, block, hpk, hd, elem)
+    done = _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
+                scale if type(scale) is np.float32 else np.float32(scale),
+                _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
+                step=step)
+    return out if done else None
 
 
 def plan_sizes(lens, window, upto, block, hpk, hd, elem_bytes):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import _CACHE, _widen
+from .kernels import _CACHE, _widen, attend_groups
 from .quant import _quant_row, fwht_rows
 
 
@@ -112,4 +112,30 @@ def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, 
         lens[h] = at + 1
         b8[h] = p + 1
     imp[seq] = 0.0
+    return True
+
+
+@njit(nogil=True, cache=_CACHE)
+def append_window_attend(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp_all, seq, exact_cap,
+                         kgroup, bound, importance, q, hpk, gids, firsts, ns, akf, akq, aks, kcol, kcol_set, avf, avq,
+                         avs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, athk, athv, ab8, scale, softcap, sinks,
+                         block, window, upto, imp, out, scratch, state, helpers):
+    """A q8 (q8k, q8v) decode step in one dispatch: :func:`window_row_step`
+    (the leading arguments), then :func:`kvreg_numba.kernels.attend_groups`
+    (the rest, ``imp`` unread) over the rows with it, the query and the
+    answer through the Walsh-Hadamard transform of a rotated side, as
+    ``LayerKvCache._rotated_attend`` does with ``rotate_rows``; importance
+    into ``imp_all[:seq + 1]`` when ``importance``. Returns False, having
+    written nothing, where ``window_row_step`` does."""
+    if not window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp_all, seq,
+                           exact_cap, kgroup, bound):
+        return False
+    rs = np.float32(1.0 / np.sqrt(q.shape[1]))
+    qr = fwht_rows(q, rs) if rot_k else q.copy()
+    upto_imp = seq + 1 if importance else 0
+    attend_groups(qr, hpk, gids, firsts, ns, akf, akq, aks, kcol, kcol_set, avf, avq, avs, vcol, vcol_set, kquant,
+                  vquant, xk, xv, xlen, athk, athv, ab8, scale, softcap, sinks, block, window, upto,
+                  imp_all[:upto_imp], out, scratch, state, helpers)
+    if rot_v:
+        out[:] = fwht_rows(out, rs)
     return True

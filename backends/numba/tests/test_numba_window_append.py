@@ -123,3 +123,35 @@ def test_a_refused_row_writes_nothing(mode, bad, side):
     else:   # a float32 side stores it as it is
         lay.append(k, v)
         assert lay.seq_len == 41
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_fused_decode_step_stores_and_attends_in_one_launch(mode, monkeypatch):
+    # LayerKvCache.append_attend on a q8 layer past its window's first fill:
+    # window.append_window_attend stores the row (store_window_row's bits)
+    # and attends in one launch where the decode runs on one thread; where
+    # it would share threads it runs nothing and the two calls take the step.
+    nkv, hd = 2, 64
+    fused, two = LayerKvCache(nkv, hd, mode, "numba"), LayerKvCache(nkv, hd, mode, "numba")
+    rows = _rows(4200, nkv, hd, 11)
+    for lay in (fused, two):
+        lay.extend(rows[:4096, 0], rows[:4096, 1])
+    taken = []
+    kernel = fused.backend._append_window_attend
+    fused.backend._append_window_attend = lambda *a: taken.append(kernel(*a)) or taken[-1]
+    q = np.random.default_rng(3).standard_normal((3 * nkv, hd)).astype(np.float32)
+    for threads, window, steps in (("1", None, range(4096, 4110)), ("2", None, range(4110, 4114)),
+                                   ("2", 300, range(4114, 4120))):
+        monkeypatch.setenv("KVREG_THREADS", threads)
+        before = len(taken)
+        for i in steps:
+            two.append(rows[i, 0], rows[i, 1])
+            want = two.attend_layer(q, window=window)
+            got = fused.append_attend(rows[i, 0], rows[i, 1], q, window=window)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (mode, threads, window, i)
+        _assert_same(_stored(fused), _stored(two))
+        # one thread: fused (the first step may grow the capacity first);
+        # 4k rows on two threads: shared, so the two calls; a 300-row window: one task, fused
+        ran = len(taken) - before
+        assert ran >= len(steps) - 1 if threads == "1" or window else ran == 0, (mode, threads, window, ran)
+    assert all(taken)
