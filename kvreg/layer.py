@@ -610,9 +610,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         (:meth:`~kvreg.plugin.Backend.append_attend_layer`: numba, F32
         rows; :meth:`~kvreg.plugin.Backend.append_window_attend_layer`:
         numba, q8 rows on one thread) the row is written and attended in one
-        launch, which saves the
-        two calls' Python and NumPy work (each call costs µs inside a model,
-        whose matmuls evict the interpreter's working set between layers).
+        launch, which saves the two calls' Python and NumPy work (each call
+        costs µs inside a model, whose matmuls evict the interpreter's
+        working set between layers).
         ``out``: a C-contiguous float32 ``[num_heads, hd]`` array the answer
         is written to and returned (a host's own buffer: no allocation)."""
         nkv, hd = self.num_kv_heads, self.head_dim
@@ -623,11 +623,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         if out is not None:
             V.out_block("out", out, q.shape)
         if self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
-            st = self._st
-            by, kernel = ((st.append_window_row_attend_by, self.backend.append_window_attend_layer) if st.window
-                          else (st.append_row_attend_by, self.backend.append_attend_layer))
-            got = by(k, v, kernel, q=q, scale=args["scale"], window=args["window"], softcap=args["softcap"],
-                     sinks=args["sinks"], importance=args["imp"] is not None, out=out)
+            got = self._st.append_row_attend_by(k, v, self.backend, q=q, scale=args["scale"], window=args["window"],
+                                                softcap=args["softcap"], sinks=args["sinks"],
+                                                importance=args["imp"] is not None, out=out)
             if got is not None:
                 self._fresh = None
                 self._seq_len += 1

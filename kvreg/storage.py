@@ -476,22 +476,31 @@ class LayerStorage:
         self.seq_len += 1
         self._touch()
 
-    def append_row_attend_by(self, k: np.ndarray, v: np.ndarray, kernel, **attend) -> np.ndarray | None:
-        """:meth:`append_row` and the decode attention over the rows with it
-        in one backend call: ``kernel`` is the backend's
-        :meth:`~kvreg.plugin.Backend.append_attend_layer` (``attend``: the
-        query and the attention's arguments). Returns its answer, or None
-        having stored nothing: not float32 rows, no room, heads holding
-        different counts, or no fused kernel (the layer then appends and
-        attends in two calls)."""
-        if self._quantized or self._half or self.seq_len >= self._imp.shape[0]:
+    def append_row_attend_by(self, k: np.ndarray, v: np.ndarray, backend, **attend) -> np.ndarray | None:
+        """A decode step's store and the attention over the rows with it in
+        one ``backend`` call (``attend``: the query ``q`` and the attention's
+        arguments): :meth:`append_row`'s for F32 rows
+        (:meth:`~kvreg.plugin.Backend.append_attend_layer`),
+        :meth:`append_window_row`'s for a q8 (q8k, q8v) storage
+        (:meth:`~kvreg.plugin.Backend.append_window_attend_layer`). Returns
+        the answer, or None having stored nothing: another mode, no room,
+        heads holding different counts, a window not yet full, or no fused
+        kernel (the layer then appends and attends in two calls)."""
+        window = bool(self.window)
+        if self.mode.tiered or self._half or (self._quantized and not window) or \
+                self.seq_len >= self._imp.shape[0] or (window and self.lens.item(0) >= self.cap):
             return None
         rows = self._rows
         if rows.shared and len(rows.holders) > 1:
             self._own()
             rows = self._rows
-        out = kernel(k, v, kf=self.k, vf=self.v, lens=self.lens, imp=self._imp, seq=self.seq_len, owner=rows,
-                     **attend)
+        q = attend.pop("q")
+        if window:
+            out = backend.append_window_attend_layer(k, v, q, self, imp=self._imp, seq=self.seq_len, owner=rows,
+                                                     **attend)
+        else:
+            out = backend.append_attend_layer(k, v, q, kf=self.k, vf=self.v, lens=self.lens, imp=self._imp,
+                                              seq=self.seq_len, owner=rows, **attend)
         if out is not None:
             self.seq_len += 1
             self._touch()
@@ -539,24 +548,6 @@ class LayerStorage:
         self._imp[self.seq_len] = 0.0
         self.seq_len += 1
         self._touch()
-
-    def append_window_row_attend_by(self, k: np.ndarray, v: np.ndarray, kernel, **attend) -> np.ndarray | None:
-        """:meth:`append_window_row` and the decode attention over the rows
-        with it in one backend call: ``kernel`` is the backend's
-        :meth:`~kvreg.plugin.Backend.append_window_attend_layer`. Returns its
-        answer, or None having stored nothing (the layer then appends and
-        attends in two calls)."""
-        if self.mode.tiered or self.lens.item(0) >= self.cap or self.seq_len >= self._imp.shape[0]:
-            return None
-        rows = self._rows
-        if rows.shared and len(rows.holders) > 1:
-            self._own()
-            rows = self._rows
-        out = kernel(k, v, attend.pop("q"), self, imp=self._imp, seq=self.seq_len, owner=rows, **attend)
-        if out is not None:
-            self.seq_len += 1
-            self._touch()
-        return out
 
     @_writes
     def append_window_row_by(self, k: np.ndarray, v: np.ndarray, kernel) -> bool:

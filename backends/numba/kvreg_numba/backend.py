@@ -259,7 +259,7 @@ class NumbaBackend(ReferenceBackend):
     def append_attend_layer(self, k, v, q, *, kf, vf, lens, imp, seq, owner, scale, window=None, softcap=0.0,
                             sinks=None, importance=False, out=None):
         """The row stored and the layer attended in one launch
-        (:func:`kvreg_numba.kernels.append_attend_kv`). f16/bf16 rows are
+        (:func:`kvreg_numba.kernels.append_attend_kv`, ``row``). f16/bf16 rows are
         left to the layer's two calls (their rounding is NumPy's)."""
         if kf.dtype is not _F32 or vf.dtype is not _F32:
             return None
@@ -267,8 +267,9 @@ class NumbaBackend(ReferenceBackend):
         if memo is None or memo[0] is not kf or memo[1] is not vf:
             memo = owner.row_memo = (kf, vf, self._k._kv_args(kf, None, None, None, None, vf, None, None, None,
                                                                 None, None, None, None))
-        return self._k.append_attend_kv(k, v, q, lens, imp, seq, memo[2], window=int(window or 0), scale=scale,
-                                        softcap=softcap or 0.0, sinks=sinks, importance=importance, out=out)
+        return self._k.append_attend_kv(q, lens, memo[2], 8, row=(k, v, imp, seq, bool(importance)),
+                                        window=int(window or 0), scale=scale, softcap=softcap or 0.0, sinks=sinks,
+                                        out=out)
 
     def append_window_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0,
                                    sinks=None, importance=False, out=None):
@@ -299,8 +300,8 @@ class NumbaBackend(ReferenceBackend):
             args[self._k.KV_COUNT_AT[name]] = getattr(st, name)
         step = (self._append_window_attend, (k, v, *memo[4], st.lens, st.b8, imp, seq,
                                              st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._k.append_window_attend_kv(step, q, st.lens, tuple(args), memo[2], window=int(window or 0),
-                                               scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
+        return self._k.append_attend_kv(q, st.lens, tuple(args), memo[2], step=step, window=int(window or 0),
+                                        scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

@@ -2234,48 +2234,25 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     return out
 
 
-def append_attend_kv(krow, vrow, q, lens, imp_all, seq, kv, *, scale, window=0, softcap=0.0, sinks=None,
-                     importance=False, block=None, out=None):
-    """A decode step on plain float32 rows in one launch: ``krow``/``vrow``
-    ``[nkv, hd]`` written to slot ``lens[0]`` of every head of ``kv``'s
-    blocks (a :func:`_kv_args` tuple of float32 ``kf``/``vf``, writable),
-    ``lens`` (writable int64) one up and ``imp_all[seq] = 0``, as
-    :meth:`kvreg.storage.LayerStorage.append_row` does, then
-    :func:`attend_kv` over the rows with it (its bits), importance into
-    ``imp_all[:seq + 1]`` when ``importance``. Returns None, having written
-    nothing, unless every head holds the same count and there is room (a
-    slot in the blocks and in ``imp_all``)."""
+def append_attend_kv(q, lens, kv, elem, *, row=None, step=None, scale, window=0, softcap=0.0, sinks=None,
+                     block=None, out=None):
+    """A decode step that stores its row first, in one launch: :func:`attend_kv`
+    over ``kv`` (a :func:`_kv_args` tuple of the storage's own, writable
+    arrays; ``lens`` its writable counts) with the row stored first, its
+    bits. ``row``: F32 rows, ``(krow, vrow, imp_all, seq, importance)``
+    written to slot ``lens[0]`` of every head (:func:`store_row`: what
+    :meth:`kvreg.storage.LayerStorage.append_row` writes), importance into
+    ``imp_all[:seq + 1]`` when ``importance``. ``step``: a q8 layer's,
+    :func:`kvreg_numba.window.append_window_attend` and its leading
+    arguments, run only where the decode runs on one thread. Returns the
+    answer, or None, having written nothing: heads at different counts or
+    no room (``row``), or not the window's state, a refused value or work
+    that would share threads (``step``); the layer's two calls take it."""
     counts = lens.tolist()
-    at = counts[0]
-    kf = kv[0]
-    if at >= kf.shape[1] or seq >= imp_all.shape[0] or counts.count(at) != len(counts):
-        return None
-    nh, hd = q.shape
-    nkv = len(counts)
-    hpk = nh // nkv
-    if out is None:
-        out = np.empty((nh, hd), np.float32)
-    block = int(block or config.DECODE_BLOCK)
-    window = int(window)
-    nbytes, nfloats = plan_sizes([at + 1] * nkv, window, -1, block, hpk, hd, 8)
-    _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
-         scale if type(scale) is np.float32 else np.float32(scale),
-         _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
-         row=(krow, vrow, imp_all, seq, bool(importance)))
-    return out
-
-
-def append_window_attend_kv(step, q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None,
-                            importance=False, block=None, out=None):
-    """A q8 (q8k, q8v) decode step in one launch where it runs on one thread:
-    ``step`` is :func:`kvreg_numba.window.append_window_attend` with its
-    leading arguments up to ``importance`` (the row, the storage's arrays
-    as ``window_row_step`` takes them), ``kv``/``elem`` the storage's
-    :func:`_kv_args` tuple (its counts the storage's own, writable) and
-    bytes per channel. Returns the answer, or None, having written nothing
-    (not that state, a value the store refuses, or work that would share
-    threads: the layer's two calls take it)."""
-    counts = lens.tolist()
+    if row is not None:
+        at = counts[0]
+        if at >= kv[0].shape[1] or row[3] >= row[2].shape[0] or counts.count(at) != len(counts):
+            return None
     nh, hd = q.shape
     nkv = len(counts)
     hpk = nh // nkv
@@ -2287,7 +2264,7 @@ def append_window_attend_kv(step, q, lens, kv, elem, *, scale, window=0, softcap
     done = _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
                 scale if type(scale) is np.float32 else np.float32(scale),
                 _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
-                step=step)
+                row=row, step=step)
     return out if done else None
 
 
