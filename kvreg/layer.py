@@ -607,10 +607,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         the row is stored: a refused call stores nothing.
 
         Where the backend has a fused kernel
-        (:meth:`~kvreg.plugin.Backend.append_attend_layer`: numba, F32
-        rows; :meth:`~kvreg.plugin.Backend.append_window_attend_layer`:
-        numba, q8 rows on one thread) the row is written and attended in one
-        launch, which saves the two calls' Python and NumPy work (each call
+        (:meth:`~kvreg.plugin.Backend.append_attend_layer`; numba: F32 rows,
+        and q8 rows where the decode runs on one thread) the row is written
+        and attended in one launch, which saves the two calls' Python and NumPy work (each call
         costs µs inside a model, whose matmuls evict the interpreter's
         working set between layers).
         ``out``: a C-contiguous float32 ``[num_heads, hd]`` array the answer

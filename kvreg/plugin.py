@@ -410,39 +410,27 @@ class Backend(abc.ABC):
         to leave the row to the layer's general path (this default)."""
         return False
 
-    def append_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, *, kf: np.ndarray,
-                            vf: np.ndarray, lens: np.ndarray, imp: np.ndarray, seq: int, owner, scale: float,
-                            window: int | None = None, softcap: float = 0.0, sinks: np.ndarray | None = None,
-                            importance: bool = False, out: np.ndarray | None = None) -> np.ndarray | None:
-        """Optional: a decode step of an F32 storage in one call. First check
-        that every head holds the same count ``n`` (``lens``, int64) and that
-        slot ``n`` of the float32 blocks ``kf``/``vf`` ``[nkv, cap, hd]``
-        and slot ``seq`` of ``imp`` exist; then write what
+    def append_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, st, *, imp: np.ndarray, seq: int,
+                            owner, scale: float, window: int | None = None, softcap: float = 0.0,
+                            sinks: np.ndarray | None = None, importance: bool = False,
+                            out: np.ndarray | None = None) -> np.ndarray | None:
+        """Optional: a decode step in one call. ``st`` is an F32 storage, or a
+        q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`, read as a
+        view would be), with a free slot for the row (``imp``/``seq``: its
+        importance slot); ``owner`` is its rows' identity, whose
+        ``row_memo`` is the backend's (as ``memo`` is for views).
+
+        F32: check that every head holds the same count ``n``, write what
         :meth:`kvreg.storage.LayerStorage.append_row` writes (``k``/``v``
         ``[nkv, hd]`` float32 to slot ``n`` of every head, ``lens`` one up,
-        ``imp[seq] = 0``) and answer :meth:`attend_layer` of ``q`` over the
-        rows with it, bit for bit, accumulating importance into ``imp[:seq +
-        1]`` when ``importance``, into ``out`` (float32 ``[nh, hd]``) when
-        given. ``owner`` is the rows' identity (its
-        ``row_memo`` is the backend's, as ``memo`` is for views). Return
-        None, having written nothing, to leave the step to ``append`` and
+        ``imp[seq] = 0``). q8: :meth:`store_window_row`'s checks and
+        writes. Then answer :meth:`attend_layer` of ``q`` over the rows with
+        the new one, bit for bit (for q8 in the rotated basis where a side
+        rotates, as ``LayerKvCache`` does with :meth:`rotate_rows`),
+        accumulating importance into ``imp[:seq + 1]`` when ``importance``,
+        into ``out`` (float32 ``[nh, hd]``) when given. Return None, having
+        written nothing, to leave the step to ``append`` and
         ``attend_layer`` (this default)."""
-        return None
-
-    def append_window_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, st, *, imp: np.ndarray,
-                                   seq: int, owner, scale: float, window: int | None = None, softcap: float = 0.0,
-                                   sinks: np.ndarray | None = None, importance: bool = False,
-                                   out: np.ndarray | None = None) -> np.ndarray | None:
-        """Optional: a decode step of a q8 (q8k, q8v) storage ``st`` (a
-        :class:`kvreg.storage.LayerStorage`, read as a view would be) whose
-        float16 window is full, in one call: :meth:`store_window_row`'s
-        checks and writes (``imp``/``seq`` its importance slot), then
-        :meth:`attend_layer` of ``q`` over the rows with it, in the rotated
-        basis where a side rotates (as ``LayerKvCache`` does with
-        :meth:`rotate_rows`), bit for bit, importance into ``imp[:seq + 1]``
-        when ``importance``, into ``out`` when given; ``owner.row_memo`` is
-        the backend's. Return None, having written nothing, to leave the step
-        to ``append`` and ``attend_layer`` (this default)."""
         return None
 
     # ── bounded layers ──

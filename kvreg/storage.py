@@ -83,8 +83,8 @@ class _Rows:
     def __init__(self, holder: "LayerStorage"):
         self.holders = weakref.WeakSet([holder])
         self.memo = None
-        #: ``memo``'s twin for the writable arrays a fused decode step writes
-        #: (:meth:`LayerStorage.append_row_attend_by`).
+        #: ``memo``'s twin for a storage's own, writable arrays, which a
+        #: fused decode step writes (:meth:`LayerStorage.append_row_attend_by`).
         self.row_memo = None
         #: Whether a second holder ever joined: until then a write needs no
         #: look at the WeakSet (whose len is Python code, on every append).
@@ -478,11 +478,10 @@ class LayerStorage:
 
     def append_row_attend_by(self, k: np.ndarray, v: np.ndarray, backend, **attend) -> np.ndarray | None:
         """A decode step's store and the attention over the rows with it in
-        one ``backend`` call (``attend``: the query ``q`` and the attention's
-        arguments): :meth:`append_row`'s for F32 rows
-        (:meth:`~kvreg.plugin.Backend.append_attend_layer`),
-        :meth:`append_window_row`'s for a q8 (q8k, q8v) storage
-        (:meth:`~kvreg.plugin.Backend.append_window_attend_layer`). Returns
+        one ``backend`` call, :meth:`~kvreg.plugin.Backend.append_attend_layer`
+        (``attend``: the query ``q`` and the attention's arguments):
+        :meth:`append_row`'s store for F32 rows, :meth:`append_window_row`'s
+        for a q8 (q8k, q8v) storage. Returns
         the answer, or None having stored nothing: another mode, no room,
         heads holding different counts, a window not yet full, or no fused
         kernel (the layer then appends and attends in two calls)."""
@@ -494,13 +493,8 @@ class LayerStorage:
         if rows.shared and len(rows.holders) > 1:
             self._own()
             rows = self._rows
-        q = attend.pop("q")
-        if window:
-            out = backend.append_window_attend_layer(k, v, q, self, imp=self._imp, seq=self.seq_len, owner=rows,
-                                                     **attend)
-        else:
-            out = backend.append_attend_layer(k, v, q, kf=self.k, vf=self.v, lens=self.lens, imp=self._imp,
-                                              seq=self.seq_len, owner=rows, **attend)
+        out = backend.append_attend_layer(k, v, attend.pop("q"), self, imp=self._imp, seq=self.seq_len, owner=rows,
+                                          **attend)
         if out is not None:
             self.seq_len += 1
             self._touch()

@@ -76,22 +76,24 @@ _NO_Q = np.zeros((0, 0, 0), np.int8)
 _NO_S = np.zeros((0, 0, 0), np.float32)
 _NO_VS = np.zeros((0, 0), np.float32)
 _NO_F = _NO_S
-_F32 = np.dtype(np.float32)
 #: Q8_ABS_MAX as the float32 the comparison with a float32 row uses.
 _Q8_BOUND = np.float32(Q8_ABS_MAX)
 
 
-def _layer_args(k, kv) -> tuple[tuple, int]:
+def _layer_args(k, kv, owner=None, slot="memo") -> tuple[tuple, int]:
     """The decode kernel's storage arguments for ``kv`` (a :class:`kvreg.KvView`
     or a storage): ``(kernels._kv_args tuple, bytes of K and V per
     channel)``. The arrays' part is kept on the view's ``owner`` (the
     identity of the row arrays: ``memo``, which the storage clears whenever
     it replaces an array), checked against the K block itself, so a decode
     step makes no numpy call for it; the per-head counts come from ``kv``
-    (they change with every version)."""
+    (they change with every version). A fused decode step passes the
+    storage itself, whose arrays it writes, with its rows' identity as
+    ``owner`` and ``slot="row_memo"``."""
     anchor = kv.kq if kv.k is None else kv.k
-    owner = getattr(kv, "owner", None)
-    memo = getattr(owner, "memo", None)
+    if owner is None:
+        owner = getattr(kv, "owner", None)
+    memo = getattr(owner, slot, None)
     if memo is None or memo[0] is not anchor:
         a = _storage_args(kv)
         for name in k.KV_COUNT_AT:   # counts: spliced in per call
@@ -99,8 +101,8 @@ def _layer_args(k, kv) -> tuple[tuple, int]:
                 a[name] = kv.lens[:0]
         args = k._kv_args(**a)
         memo = (anchor, args, k.kv_elem_bytes(args), tuple(n for n in k.KV_COUNT_AT if a[n] is not None))
-        if hasattr(owner, "memo"):
-            owner.memo = memo
+        if hasattr(owner, slot):
+            setattr(owner, slot, memo)
     args, counts = memo[1], memo[3]
     if counts:
         args = list(args)
@@ -256,52 +258,26 @@ class NumbaBackend(ReferenceBackend):
         return self._k.attend_kv(q, self._k.frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
                                  softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
-    def append_attend_layer(self, k, v, q, *, kf, vf, lens, imp, seq, owner, scale, window=None, softcap=0.0,
-                            sinks=None, importance=False, out=None):
+    def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
+                            importance=False, out=None):
         """The row stored and the layer attended in one launch
-        (:func:`kvreg_numba.kernels.append_attend_kv`, ``row``). f16/bf16 rows are
-        left to the layer's two calls (their rounding is NumPy's)."""
-        if kf.dtype is not _F32 or vf.dtype is not _F32:
-            return None
-        memo = owner.row_memo
-        if memo is None or memo[0] is not kf or memo[1] is not vf:
-            memo = owner.row_memo = (kf, vf, self._k._kv_args(kf, None, None, None, None, vf, None, None, None,
-                                                                None, None, None, None))
-        return self._k.append_attend_kv(q, lens, memo[2], 8, row=(k, v, imp, seq, bool(importance)),
-                                        window=int(window or 0), scale=scale, softcap=softcap or 0.0, sinks=sinks,
-                                        out=out)
-
-    def append_window_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0,
-                                   sinks=None, importance=False, out=None):
-        """:meth:`store_window_row` and the layer attended in one launch
-        (:func:`kvreg_numba.window.append_window_attend`) where the decode
-        runs on one thread; elsewhere None (the layer's two calls)."""
-        hd = k.shape[1]
-        if (st.rot_k or st.rot_v) and hd & (hd - 1):
+        (:func:`kvreg_numba.kernels.append_attend_kv`): F32 rows always
+        (:func:`kvreg_numba.kernels.store_row`); a q8 window's step
+        (:func:`kvreg_numba.window.append_window_attend`: the store, the
+        rotations and the attention) where the decode runs on one thread."""
+        args, elem = _layer_args(self._k, st, owner, "row_memo")
+        scalars = dict(window=int(window or 0), scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
+        if not st.window:
+            return self._k.append_attend_kv(q, st.lens, args, elem, row=(k, v, imp, seq, bool(importance)),
+                                            **scalars)
+        if (st.rot_k or st.rot_v) and k.shape[1] & (k.shape[1] - 1):
             return None    # rotate_rows is NumPy's there
-        memo = owner.row_memo
-        anchor = st.kq if st.k is None else st.k
-        if memo is None or memo[0] is not anchor:
-            a = _storage_args(st)
-            for name in self._k.KV_COUNT_AT:   # counts: spliced in per call
-                if a[name] is not None:
-                    a[name] = st.lens[:0]
-            args = self._k._kv_args(**a)
-            counts = tuple(n for n in self._k.KV_COUNT_AT if a[n] is not None)
-            # store_window_row's arrays: a side's window as int16 bits, stand-ins for what it lacks
-            thk, kq, ks, kf = ((args[15], st.kq, st.ks, _NO_F) if st.thk is not None else
-                               (_NO_WINDOW, _NO_Q, _NO_S, st.k))
-            thv, vq, vs, vf = ((args[16], st.vq, st.vs, _NO_F) if st.thv is not None else
-                               (_NO_WINDOW, _NO_Q, _NO_VS, st.v))
-            memo = owner.row_memo = (anchor, args, self._k.kv_elem_bytes(args), counts,
-                                     (st.rot_k, st.rot_v, thk, thv, kq, ks, vq, vs, kf, vf))
-        args = list(memo[1])
-        for name in memo[3]:
-            args[self._k.KV_COUNT_AT[name]] = getattr(st, name)
-        step = (self._append_window_attend, (k, v, *memo[4], st.lens, st.b8, imp, seq,
+        # window_row_step's arrays are the kernel's: the windows' int16 bits,
+        # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
+        step = (self._append_window_attend, (k, v, st.rot_k, st.rot_v, args[15], args[16], args[1], args[2],
+                                             args[6], args[7], args[0], args[5], st.lens, st.b8, imp, seq,
                                              st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._k.append_attend_kv(q, st.lens, tuple(args), memo[2], step=step, window=int(window or 0),
-                                        scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
+        return self._k.append_attend_kv(q, st.lens, args, elem, step=step, **scalars)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

@@ -2117,22 +2117,23 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     # its leading arguments), a one-thread kernel that stores a row and
     # attends (window.append_window_attend): its answer (whether it stored),
     # or None, having run nothing, where the call would share threads.
-    # Every task writes its own
-    # slot and the merge runs in block order, so which thread ran a task
-    # cannot change a bit. Inline, not thread_budget: inside a model each
-    # Python frame costs (a context manager's ~14 µs with the caches
-    # flushed, measured), on every layer of every token.
+    # Every task writes its own slot and the merge runs in block order, so
+    # which thread ran a task cannot change a bit. Inline, not
+    # thread_budget: inside a model each Python frame costs (a context
+    # manager's ~14 µs with the caches flushed, measured), on every layer
+    # of every token.
     scratch = _scratch(nfloats)
     hpk, hd, block = args[1], args[0].shape[1], args[26]
     ntask = nfloats // (hpk * (block + 3 + hd))
+    if step is not None:            # the one-thread kernel and its leading arguments
+        one, lead = step
+    elif row is not None:
+        one, lead = append_attend_groups, row
+    else:
+        one, lead = attend_groups, ()
     if ntask < 2:
-        if step is not None:
-            return step[0](*step[1], *args, scratch, _NO_STATE, _NO_HELPERS)
-        if row is None:
-            attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
-        else:
-            append_attend_groups(*row, *args, scratch, _NO_STATE, _NO_HELPERS)
-        return True
+        done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS)
+        return step is None or done     # attend_groups and the F32 step answer None
     # The call is shared with helper threads that claim tasks from
     # ``state``: a helper without a core (a busy neighbour) costs the caller
     # one block at most, so the budget runs unmeasured. But inside a torch
@@ -2151,13 +2152,9 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
         return None
     t0 = time.perf_counter_ns() if chooser is not None else 0
     done = True
-    if n < 2 and step is not None:
-        done = step[0](*step[1], *args, scratch, _NO_STATE, _NO_HELPERS)
-    elif n < 2:
-        if row is None:
-            attend_groups(*args, scratch, _NO_STATE, _NO_HELPERS)
-        else:
-            append_attend_groups(*row, *args, scratch, _NO_STATE, _NO_HELPERS)
+    if n < 2:
+        done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS)
+        done = step is None or done     # attend_groups and the F32 step answer None
     elif spins and torch_model() and _in_torch_pool():
         old = _get_threads()
         if n != old:
@@ -2246,12 +2243,13 @@ def append_attend_kv(q, lens, kv, elem, *, row=None, step=None, scale, window=0,
     :func:`kvreg_numba.window.append_window_attend` and its leading
     arguments, run only where the decode runs on one thread. Returns the
     answer, or None, having written nothing: heads at different counts or
-    no room (``row``), or not the window's state, a refused value or work
-    that would share threads (``step``); the layer's two calls take it."""
+    no slot left in the blocks (``row``; the caller checked ``imp_all``'s),
+    or not the window's state, a refused value or work that would share
+    threads (``step``); the layer's two calls take it."""
     counts = lens.tolist()
     if row is not None:
         at = counts[0]
-        if at >= kv[0].shape[1] or row[3] >= row[2].shape[0] or counts.count(at) != len(counts):
+        if at >= kv[0].shape[1] or counts.count(at) != len(counts):
             return None
     nh, hd = q.shape
     nkv = len(counts)
