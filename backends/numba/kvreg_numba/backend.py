@@ -266,18 +266,19 @@ class NumbaBackend(ReferenceBackend):
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
         args, elem = _layer_args(self._k, st, owner, "row_memo")
-        scalars = dict(window=int(window or 0), scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
+        row = step = None
         if not st.window:
-            return self._k.append_attend_kv(q, st.lens, args, elem, row=(k, v, imp, seq, bool(importance)),
-                                            **scalars)
-        if (st.rot_k or st.rot_v) and k.shape[1] & (k.shape[1] - 1):
+            row = (k, v, imp, seq, bool(importance))
+        elif (st.rot_k or st.rot_v) and k.shape[1] & (k.shape[1] - 1):
             return None    # rotate_rows is NumPy's there
-        # window_row_step's arrays are the kernel's: the windows' int16 bits,
-        # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
-        step = (self._append_window_attend, (k, v, st.rot_k, st.rot_v, args[15], args[16], args[1], args[2],
-                                             args[6], args[7], args[0], args[5], st.lens, st.b8, imp, seq,
-                                             st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._k.append_attend_kv(q, st.lens, args, elem, step=step, **scalars)
+        else:
+            # window_row_step's arrays are the kernel's: the windows' int16 bits,
+            # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
+            step = (self._append_window_attend, (k, v, st.rot_k, st.rot_v, args[15], args[16], args[1], args[2],
+                                                 args[6], args[7], args[0], args[5], st.lens, st.b8, imp, seq,
+                                                 st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
+        return self._k.append_attend_kv(q, st.lens, args, elem, row=row, step=step, window=int(window or 0),
+                                        scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):
