@@ -480,13 +480,13 @@ class LayerStorage:
         """A decode step's store and the attention over the rows with it in
         one ``backend`` call, :meth:`~kvreg.plugin.Backend.append_attend_layer`
         (``attend``: the query ``q`` and the attention's arguments):
-        :meth:`append_row`'s store for F32 rows, :meth:`append_window_row`'s
-        for a q8 (q8k, q8v) storage. Returns
+        :meth:`append_row`'s store for F32, f16 and bf16 rows,
+        :meth:`append_window_row`'s for a q8 (q8k, q8v) storage. Returns
         the answer, or None having stored nothing: another mode, no room,
         heads holding different counts, a window not yet full, or no fused
         kernel (the layer then appends and attends in two calls)."""
         window = bool(self.window)
-        if self.mode.tiered or self._half or (self._quantized and not window) or \
+        if self.mode.tiered or (self._quantized and not window) or \
                 self.seq_len >= self._imp.shape[0] or (window and self.lens.item(0) >= self.cap):
             return None
         rows = self._rows

@@ -83,7 +83,8 @@ def test_append_attend_writes_its_answer_into_out(backend, check, mode):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "bf16", "q8")], ids=lambda m: m.value)
+@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "f16", "bf16", "q8")],
+                         ids=lambda m: m.value)
 def test_a_refused_append_attend_stores_nothing(backend, mode):
     nkv, hd = 2, 32
     lay, _, _ = filled(backend, nkv, hd, mode, 20, seed=6)
@@ -102,6 +103,12 @@ def test_a_refused_append_attend_stores_nothing(backend, mode):
         dict(out=np.zeros((2 * nkv + 1, hd), np.float32)),  # an output buffer of the wrong shape
         dict(out=np.zeros((2 * nkv, hd), np.float64)),
     ]
+    # a value the mode does not store: finite past a 2-byte float's range, inf in q8
+    unstorable = {"f16": 7e4, "bf16": 3.4e38, "q8": np.inf}.get(mode.value)
+    if unstorable is not None:
+        big = k.copy()
+        big[nkv * hd - 1] = unstorable
+        bad.append(dict(k=big))
     for change in bad:
         args = dict(k=k, v=v, q_all=q)
         args.update({n: change.pop(n) for n in ("k", "q_all") if n in change})

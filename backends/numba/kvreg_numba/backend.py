@@ -261,8 +261,9 @@ class NumbaBackend(ReferenceBackend):
     def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
                             importance=False, out=None):
         """The row stored and the layer attended in one launch
-        (:func:`kvreg_numba.kernels.append_attend_kv`): F32 rows always
-        (:func:`kvreg_numba.kernels.store_row`); a q8 window's step
+        (:func:`kvreg_numba.kernels.append_attend_kv`): F32, f16 and bf16
+        rows always (:func:`kvreg_numba.kernels.store_row`, which rounds a
+        2-byte row as the core does); a q8 window's step
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
         args, elem = _layer_args(self._k, st, owner, "row_memo")

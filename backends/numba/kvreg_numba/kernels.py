@@ -33,8 +33,9 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, set_parallel_chunksize
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
+from kvreg.quant import HALF_OVERFLOW
 from kvreg.threads import pick, torch_model, torch_spins
 
 from . import config
@@ -1447,18 +1448,130 @@ def attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set,
 
 
 @njit(nogil=True, cache=_CACHE)
+def half_bits(x, out):
+    """IEEE binary16 bits (int16) of the float32 row ``x`` into ``out``,
+    rounded to nearest even as numpy's ``astype(np.float16)``: overflow to
+    inf, subnormals, signed zeros; a NaN keeps its payload's top bits
+    (quiet). Integer arithmetic only, the same bits on every CPU."""
+    bits = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        b = np.int64(bits[i])
+        sign = (b >> 16) & 0x8000
+        a = b & 0x7FFFFFFF
+        if a >= 0x7F800000:                      # inf, NaN
+            h = 0x7C00 + (a & 0x7FFFFF) // 8192
+            if a > 0x7F800000 and h == 0x7C00:
+                h += 1
+        elif a >= 0x477FF000:                    # rounds past 65504
+            h = 0x7C00
+        elif a >= 0x38800000:                    # a normal half
+            a -= 0x38000000                      # exponent rebiased 127 -> 15
+            h = (a + 0xFFF + ((a >> 13) & 1)) >> 13
+        elif a > 0x33000000:                     # a subnormal half (or its rounding up to 2^-14)
+            m = (a & 0x7FFFFF) | 0x800000
+            sh = 126 - (a >> 23)
+            h = m >> sh
+            rem = m - (h << sh)
+            half = np.int64(1) << (sh - 1)
+            if rem > half or (rem == half and (h & 1) == 1):
+                h += 1
+        else:                                    # at most 2^-25: zero
+            h = 0
+        h |= sign
+        out[i] = np.int16(h - 0x10000 if h >= 0x8000 else h)
+
+
+@njit(nogil=True, cache=_CACHE)
+def bf16_bits(x, out):
+    """bfloat16 bits (uint16) of the float32 row ``x`` into ``out``, as
+    :func:`kvreg.quant.to_bf16` rounds them: to nearest even (the top half
+    after adding 0x7FFF plus its lowest bit, overflow to inf), a NaN quieted
+    with its payload's top bits kept."""
+    bits = x.view(np.uint32)
+    for i in range(x.shape[0]):
+        b = np.int64(bits[i])
+        if b & 0x7FFFFFFF > 0x7F800000:
+            out[i] = np.uint16((b >> 16) | 0x40)
+        else:
+            out[i] = np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
+
+
+#: The smallest float32 magnitudes binary16 (int16 bits) and bfloat16
+#: (uint16 bits) round to inf (kvreg.quant.HALF_OVERFLOW).
+_HALF_LIMIT = np.float32(HALF_OVERFLOW["f16"])
+_BF16_LIMIT = np.float32(HALF_OVERFLOW["bf16"])
+
+
+@njit(nogil=True, cache=_CACHE)
+def _below(x, lim):
+    # whether no finite value of the row reaches lim (inf and NaN are stored as they are)
+    for i in range(x.shape[0]):
+        a = abs(x[i])
+        if a >= lim and a != np.inf:
+            return False
+    return True
+
+
+def _row_fits(x, out):
+    """Whether the float32 row ``x`` stores in ``out``'s type without a
+    finite value rounding to inf (what :meth:`kvreg.LayerKvCache.append`
+    refuses for an f16/bf16 layer; always for float32)."""
+    raise NotImplementedError("kvreg_numba.kernels._row_fits runs inside compiled kernels only")
+
+
+@overload(_row_fits, jit_options={"nogil": True})
+def _row_fits_typed(x, out):
+    if not isinstance(out, types.Array):
+        return None
+    if out.dtype == types.int16:
+        return lambda x, out: _below(x, _HALF_LIMIT)
+    if out.dtype == types.uint16:
+        return lambda x, out: _below(x, _BF16_LIMIT)
+    return lambda x, out: True
+
+
+def _put_row(x, out):
+    """``out = x``, the float32 row rounded to ``out``'s storage type
+    (float32; binary16 as int16 bits, :func:`half_bits`; bfloat16 as uint16
+    bits, :func:`bf16_bits`): what :func:`kvreg.quant.to_half` stores.
+    Compiled per type through its overload below."""
+    raise NotImplementedError("kvreg_numba.kernels._put_row runs inside compiled kernels only")
+
+
+@overload(_put_row, jit_options={"nogil": True})
+def _put_row_typed(x, out):
+    if not isinstance(out, types.Array):
+        return None
+    if out.dtype == types.int16:
+        return lambda x, out: half_bits(x, out)
+    if out.dtype == types.uint16:
+        return lambda x, out: bf16_bits(x, out)
+
+    def copy(x, out):
+        out[:] = x
+    return copy
+
+
+@njit(nogil=True, cache=_CACHE)
 def store_row(krow, vrow, kf, vf, lens, imp_all, seq):
-    """A decode step's row ``[nkv, hd]`` written where
-    :meth:`kvreg.storage.LayerStorage.append_row` writes it: slot
-    ``lens[0]`` of every head of the float32 blocks ``kf``/``vf`` (every
-    head holds ``lens[0]`` rows, the caller checked there is room), the
-    counts one up, ``imp_all[seq] = 0``."""
+    """A decode step's row ``[nkv, hd]`` float32 written where
+    :meth:`kvreg.storage.LayerStorage.append_row` writes it, with its bits:
+    slot ``lens[0]`` of every head of the blocks ``kf``/``vf`` (float32, or
+    binary16/bfloat16 bits: rounded as :func:`kvreg.quant.to_half` rounds;
+    every head holds ``lens[0]`` rows, the caller checked there is room),
+    the counts one up, ``imp_all[seq] = 0``. Returns False, having written
+    nothing, when a finite value would round to inf in a 2-byte block
+    (the layer's own append then refuses it)."""
     at = lens[0]
     for g in range(kf.shape[0]):
-        kf[g, at] = krow[g]
-        vf[g, at] = vrow[g]
+        if not (_row_fits(krow[g], kf[g, at]) and _row_fits(vrow[g], vf[g, at])):
+            return False
+    for g in range(kf.shape[0]):
+        _put_row(krow[g], kf[g, at])
+        _put_row(vrow[g], vf[g, at])
     lens[:] = at + 1
     imp_all[seq] = 0.0
+    return True
 
 
 @njit(nogil=True, cache=_CACHE)
@@ -1467,12 +1580,15 @@ def append_attend_groups(krow, vrow, imp_all, seq, importance, q, hpk, gids, fir
                          scale, softcap, sinks, block, window, upto, imp, out, scratch, state, helpers):
     """:func:`store_row` into ``kf``/``vf``/``ns``, then :func:`attend_groups`
     over the rows with it, importance into ``imp_all[:seq + 1]`` when
-    ``importance`` (``imp`` is not read): a decode step in one dispatch."""
-    store_row(krow, vrow, kf, vf, ns, imp_all, seq)
+    ``importance`` (``imp`` is not read): a decode step in one dispatch.
+    Returns whether it ran (False: :func:`store_row` refused the row)."""
+    if not store_row(krow, vrow, kf, vf, ns, imp_all, seq):
+        return False
     upto_imp = seq + 1 if importance else 0
     attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set, vf, vq, vs, vcol, vcol_set, kquant,
                   vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, sinks, block, window, upto,
                   imp_all[:upto_imp], out, scratch, state, helpers)
+    return True
 
 
 @njit(nogil=True, cache=_CACHE)
@@ -1481,11 +1597,13 @@ def append_attend_groups_par(krow, vrow, imp_all, seq, importance, q, hpk, gids,
                              thv, b8, scale, softcap, sinks, block, window, upto, imp, out, scratch, workers):
     """:func:`append_attend_groups` with the attention in
     :func:`attend_groups_par`'s region."""
-    store_row(krow, vrow, kf, vf, ns, imp_all, seq)
+    if not store_row(krow, vrow, kf, vf, ns, imp_all, seq):
+        return False
     upto_imp = seq + 1 if importance else 0
     attend_groups_par(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set, vf, vq, vs, vcol, vcol_set, kquant,
                       vquant, xk, xv, xlen, thk, thv, b8, scale, softcap, sinks, block, window, upto,
                       imp_all[:upto_imp], out, scratch, workers)
+    return True
 
 
 # ---------------------------------------------------------------------------
@@ -2132,8 +2250,7 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     else:
         one, lead = attend_groups, ()
     if ntask < 2:
-        done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS)
-        return step is None or done     # attend_groups and the F32 step answer None
+        return one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS) is not False   # attend_groups answers None
     # The call is shared with helper threads that claim tasks from
     # ``state``: a helper without a core (a busy neighbour) costs the caller
     # one block at most, so the budget runs unmeasured. But inside a torch
@@ -2153,8 +2270,7 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     t0 = time.perf_counter_ns() if chooser is not None else 0
     done = True
     if n < 2:
-        done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS)
-        done = step is None or done     # attend_groups and the F32 step answer None
+        done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS) is not False
     elif spins and torch_model() and _in_torch_pool():
         old = _get_threads()
         if n != old:
@@ -2163,7 +2279,7 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
             if row is None:
                 attend_groups_par(*args, scratch, n)
             else:
-                append_attend_groups_par(*row, *args, scratch, n)
+                done = append_attend_groups_par(*row, *args, scratch, n)
         finally:
             if n != old:
                 _set_threads(old)
@@ -2171,7 +2287,8 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
         if row is not None:
             # helpers read the rows as soon as they are posted: stored first
             krow, vrow, imp_all, seq, importance = row
-            store_row(krow, vrow, args[5], args[10], args[4], imp_all, seq)
+            if not store_row(krow, vrow, args[5], args[10], args[4], imp_all, seq):
+                return False
             if importance:
                 args = (*args[:29], imp_all[:seq + 1], args[30])
         hs = _helper_scratch(n - 1, nfloats)
@@ -2236,16 +2353,18 @@ def append_attend_kv(q, lens, kv, elem, *, row=None, step=None, scale, window=0,
     """A decode step that stores its row first, in one launch: :func:`attend_kv`
     over ``kv`` (a :func:`_kv_args` tuple of the storage's own, writable
     arrays; ``lens`` its writable counts) with the row stored first, its
-    bits. ``row``: F32 rows, ``(krow, vrow, imp_all, seq, importance)``
-    written to slot ``lens[0]`` of every head (:func:`store_row`: what
-    :meth:`kvreg.storage.LayerStorage.append_row` writes), importance into
-    ``imp_all[:seq + 1]`` when ``importance``. ``step``: a q8 layer's,
-    :func:`kvreg_numba.window.append_window_attend` and its leading
-    arguments, run only where the decode runs on one thread. Returns the
-    answer, or None, having written nothing: heads at different counts or
-    no slot left in the blocks (``row``; the caller checked ``imp_all``'s),
+    bits. ``row``: F32, f16 or bf16 rows, ``(krow, vrow, imp_all, seq,
+    importance)`` float32 written to slot ``lens[0]`` of every head
+    (:func:`store_row`: what :meth:`kvreg.storage.LayerStorage.append_row`
+    writes), importance into ``imp_all[:seq + 1]`` when ``importance``.
+    ``step``: a q8 layer's, :func:`kvreg_numba.window.append_window_attend`
+    and its leading arguments, run only where the decode runs on one
+    thread. Returns the answer, or None, having written nothing: heads at
+    different counts, no slot left in the blocks or a finite value a 2-byte
+    block would round to inf (``row``; the caller checked ``imp_all``'s),
     or not the window's state, a refused value or work that would share
-    threads (``step``); the layer's two calls take it."""
+    threads (``step``); the layer's two calls take it (and refuse what
+    they refuse)."""
     counts = lens.tolist()
     if row is not None:
         at = counts[0]

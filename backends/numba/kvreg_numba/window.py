@@ -9,42 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .kernels import _CACHE, _widen, attend_groups
+from .kernels import _CACHE, _widen, attend_groups, half_bits
 from .quant import _quant_row, fwht_rows
-
-
-@njit(nogil=True, cache=_CACHE)
-def half_bits(x, out):
-    """IEEE binary16 bits (int16) of the float32 row ``x`` into ``out``,
-    rounded to nearest even as numpy's ``astype(np.float16)``: overflow to
-    inf, subnormals, signed zeros; a NaN keeps its payload's top bits
-    (quiet). Integer arithmetic only, the same bits on every CPU."""
-    bits = x.view(np.uint32)
-    for i in range(x.shape[0]):
-        b = np.int64(bits[i])
-        sign = (b >> 16) & 0x8000
-        a = b & 0x7FFFFFFF
-        if a >= 0x7F800000:                      # inf, NaN
-            h = 0x7C00 + (a & 0x7FFFFF) // 8192
-            if a > 0x7F800000 and h == 0x7C00:
-                h += 1
-        elif a >= 0x477FF000:                    # rounds past 65504
-            h = 0x7C00
-        elif a >= 0x38800000:                    # a normal half
-            a -= 0x38000000                      # exponent rebiased 127 -> 15
-            h = (a + 0xFFF + ((a >> 13) & 1)) >> 13
-        elif a > 0x33000000:                     # a subnormal half (or its rounding up to 2^-14)
-            m = (a & 0x7FFFFF) | 0x800000
-            sh = 126 - (a >> 23)
-            h = m >> sh
-            rem = m - (h << sh)
-            half = np.int64(1) << (sh - 1)
-            if rem > half or (rem == half and (h & 1) == 1):
-                h += 1
-        else:                                    # at most 2^-25: zero
-            h = 0
-        h |= sign
-        out[i] = np.int16(h - 0x10000 if h >= 0x8000 else h)
 
 
 @njit(nogil=True, cache=_CACHE)

@@ -12,6 +12,8 @@ import pytest
 
 from kvreg import ShapeError
 from kvreg.layer import LayerKvCache
+from kvreg.quant import to_bf16
+from kvreg_numba.kernels import bf16_bits
 from kvreg_numba.window import half_bits
 
 MODES = ["q8", "q8k", "q8v"]
@@ -65,6 +67,19 @@ def test_half_bits_rounds_as_numpy():
     out = np.empty(2, np.int16)
     half_bits(nan, out)
     assert np.isnan(out.view(np.float16)).all()
+
+
+def test_bf16_bits_rounds_as_the_core():
+    # kvreg.quant.to_bf16 (the bf16 storage's rounding, which the fused
+    # decode store reproduces): ties both ways, the largest finite values,
+    # infinities, subnormals, every NaN sign, then random bit patterns
+    ends = np.arange(1 << 16, dtype=np.int64) << 16
+    cand = np.concatenate([ends + d for d in (-1, 0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF)])
+    rnd = np.random.default_rng(1).integers(0, 1 << 32, 1 << 20, dtype=np.int64)
+    x = (np.concatenate([cand, rnd]) & 0xFFFFFFFF).astype(np.uint32).view(np.float32)
+    got = np.empty(x.shape, np.uint16)
+    bf16_bits(x, got)
+    np.testing.assert_array_equal(got, to_bf16(x))
 
 
 # 7e4 rows overflow the float16 window to inf on both paths (numpy warns)
