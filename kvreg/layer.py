@@ -19,6 +19,7 @@ from . import _validate as V
 from .errors import SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
+from .plugin import Backend
 from .quant import HALF_OVERFLOW, from_half, to_half
 from .registry import get_backend
 from ._bounded_layer import BoundedMixin
@@ -621,7 +622,9 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         args = self._decode_args(q.shape[0], scale, window, softcap, sinks, importance)
         if out is not None:
             V.out_block("out", out, q.shape)
-        if self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION:
+        # a backend without the fused hook (the reference, OpenCL) goes straight to the two calls
+        if self._lifecycle is Lifecycle.PLAIN and self._base + self._seq_len < V.MAX_POSITION and \
+                type(self.backend).append_attend_layer is not Backend.append_attend_layer:
             got = self._st.append_row_attend_by(k, v, self.backend, q=q, scale=args["scale"], window=args["window"],
                                                 softcap=args["softcap"], sinks=args["sinks"],
                                                 importance=args["imp"] is not None, out=out)
