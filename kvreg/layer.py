@@ -608,11 +608,11 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
         the row is stored: a refused call stores nothing.
 
         Where the backend has a fused kernel
-        (:meth:`~kvreg.plugin.Backend.append_attend_layer`; numba: F32, f16 and bf16 rows,
-        and q8 rows where the decode runs on one thread) the row is written
-        and attended in one launch, which saves the two calls' Python and NumPy work (each call
-        costs µs inside a model, whose matmuls evict the interpreter's
-        working set between layers).
+        (:meth:`~kvreg.plugin.Backend.append_attend_layer`; numba: F32, f16
+        and bf16 rows, and q8 rows where the decode runs on one thread) the
+        row is written and attended in one launch, which saves the two
+        calls' Python and NumPy work (each call costs µs inside a model,
+        whose matmuls evict the interpreter's working set between layers).
         ``out``: a C-contiguous float32 ``[num_heads, hd]`` array the answer
         is written to and returned (a host's own buffer: no allocation)."""
         nkv, hd = self.num_kv_heads, self.head_dim

@@ -415,8 +415,8 @@ class Backend(abc.ABC):
                             sinks: np.ndarray | None = None, importance: bool = False,
                             out: np.ndarray | None = None) -> np.ndarray | None:
         """Optional: a decode step in one call. ``st`` is an F32, f16 or bf16
-        storage, or a q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`, read as a
-        view would be), with a free slot for the row (``imp``/``seq``: its
+        storage, or a q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`,
+        read as a view would be), with a free slot for the row (``imp``/``seq``: its
         importance slot); ``owner`` is its rows' identity, whose
         ``row_memo`` is the backend's (as ``memo`` is for views).
 
@@ -424,7 +424,9 @@ class Backend(abc.ABC):
         write what :meth:`kvreg.storage.LayerStorage.append_row` writes
         (``k``/``v`` ``[nkv, hd]`` float32, rounded as
         :func:`kvreg.quant.to_half` rounds for a 2-byte storage, to slot
-        ``n`` of every head, ``lens`` one up, ``imp[seq] = 0``). q8: :meth:`store_window_row`'s checks and
+        ``n`` of every head, ``lens`` one up, ``imp[seq] = 0``); a finite
+        value a 2-byte format rounds to inf is declined (None: the layer's
+        ``append`` refuses it). q8: :meth:`store_window_row`'s checks and
         writes. Then answer :meth:`attend_layer` of ``q`` over the rows with
         the new one, bit for bit (for q8 in the rotated basis where a side
         rotates, as ``LayerKvCache`` does with :meth:`rotate_rows`),

@@ -1510,12 +1510,24 @@ _BF16_LIMIT = np.float32(HALF_OVERFLOW["bf16"])
 
 @njit(nogil=True, cache=_CACHE)
 def _below(x, lim):
-    # whether no finite value of the row reaches lim (inf and NaN are stored as they are)
+    """Whether no finite value of the row ``x`` reaches ``lim`` (inf and NaN
+    are stored as they are)."""
     for i in range(x.shape[0]):
         a = abs(x[i])
         if a >= lim and a != np.inf:
             return False
     return True
+
+
+def _per_storage_type(f32, f16, bf16):
+    """An ``@overload`` typing function of ``(x, out)`` choosing the
+    implementation by ``out``'s storage type: float32, binary16 bits
+    (int16), bfloat16 bits (uint16)."""
+    def typed(x, out):
+        if isinstance(out, types.Array):
+            return {types.int16: f16, types.uint16: bf16}.get(out.dtype, f32)
+        return None
+    return typed
 
 
 def _row_fits(x, out):
@@ -1525,37 +1537,21 @@ def _row_fits(x, out):
     raise NotImplementedError("kvreg_numba.kernels._row_fits runs inside compiled kernels only")
 
 
-@overload(_row_fits, jit_options={"nogil": True})
-def _row_fits_typed(x, out):
-    if not isinstance(out, types.Array):
-        return None
-    if out.dtype == types.int16:
-        return lambda x, out: _below(x, _HALF_LIMIT)
-    if out.dtype == types.uint16:
-        return lambda x, out: _below(x, _BF16_LIMIT)
-    return lambda x, out: True
-
-
 def _put_row(x, out):
     """``out = x``, the float32 row rounded to ``out``'s storage type
     (float32; binary16 as int16 bits, :func:`half_bits`; bfloat16 as uint16
-    bits, :func:`bf16_bits`): what :func:`kvreg.quant.to_half` stores.
-    Compiled per type through its overload below."""
+    bits, :func:`bf16_bits`): what :func:`kvreg.quant.to_half` stores."""
     raise NotImplementedError("kvreg_numba.kernels._put_row runs inside compiled kernels only")
 
 
-@overload(_put_row, jit_options={"nogil": True})
-def _put_row_typed(x, out):
-    if not isinstance(out, types.Array):
-        return None
-    if out.dtype == types.int16:
-        return lambda x, out: half_bits(x, out)
-    if out.dtype == types.uint16:
-        return lambda x, out: bf16_bits(x, out)
+def _copy_row(x, out):
+    out[:] = x
 
-    def copy(x, out):
-        out[:] = x
-    return copy
+
+overload(_row_fits, jit_options={"nogil": True})(_per_storage_type(
+    lambda x, out: True, lambda x, out: _below(x, _HALF_LIMIT), lambda x, out: _below(x, _BF16_LIMIT)))
+overload(_put_row, jit_options={"nogil": True})(_per_storage_type(
+    _copy_row, lambda x, out: half_bits(x, out), lambda x, out: bf16_bits(x, out)))
 
 
 @njit(nogil=True, cache=_CACHE)
