@@ -416,9 +416,10 @@ class Backend(abc.ABC):
                             out: np.ndarray | None = None) -> np.ndarray | None:
         """Optional: a decode step in one call. ``st`` is an F32, f16 or bf16
         storage, or a q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`,
-        read as a view would be), with a free slot for the row (``imp``/``seq``: its
-        importance slot); ``owner`` is its rows' identity, whose
-        ``row_memo`` is the backend's (as ``memo`` is for views).
+        read as a view would be), with a free slot for the row
+        (``imp``/``seq``: its importance slot); ``owner`` is its rows'
+        identity, whose ``row_memo`` is the backend's (as ``memo`` is for
+        views).
 
         F32, f16, bf16: check that every head holds the same count ``n``,
         write what :meth:`kvreg.storage.LayerStorage.append_row` writes

@@ -91,8 +91,6 @@ def test_windowed_attend_equals_masked_full_row():
         assert np.array_equal(bits(imp), bits(imp_ref)), f"imp window {w}"
 
 
-
-
 def test_a_backend_without_the_fused_step_goes_straight_to_the_two_calls(monkeypatch):
     # append_attend asks the storage for the one-launch step only where the
     # backend overrides Backend.append_attend_layer (the reference does not)
@@ -102,8 +100,10 @@ def test_a_backend_without_the_fused_step_goes_straight_to_the_two_calls(monkeyp
     rng = np.random.default_rng(4)
     k, v = rng.standard_normal((2, 2, 16)).astype(np.float32)
     q = rng.standard_normal((4, 16)).astype(np.float32)
-    monkeypatch.setattr(LayerStorage, "append_row_attend_by",
-                        lambda *a, **kw: (_ for _ in ()).throw(AssertionError("asked for the fused step")))
+    def asked(*a, **kw):
+        raise AssertionError("asked for the fused step")
+
+    monkeypatch.setattr(LayerStorage, "append_row_attend_by", asked)
     got = lay.append_attend(k, v, q)
     ref = LayerKvCache(2, 16, "f32", "reference")
     ref.append(k, v)

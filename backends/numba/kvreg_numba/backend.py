@@ -112,6 +112,13 @@ def _layer_args(k, kv, owner=None, slot="memo") -> tuple[tuple, int]:
     return args, memo[2]
 
 
+def _numpy_rotates(rot_k, rot_v, hd) -> bool:
+    """Whether a rotated side's rows of ``hd`` channels rotate in NumPy
+    (``rotate_rows``: numba's transform takes a power of two), so no
+    window kernel can take the step."""
+    return bool(rot_k or rot_v) and (hd & (hd - 1)) != 0
+
+
 def _count(name, a):
     """A per-head count as ``_kv_args`` passes it (a view's frozen arrays already are)."""
     dtype = np.bool_ if name.endswith("_set") else np.int64
@@ -270,8 +277,8 @@ class NumbaBackend(ReferenceBackend):
         row = step = None
         if not st.window:
             row = (k, v, imp, seq, bool(importance))
-        elif (st.rot_k or st.rot_v) and k.shape[1] & (k.shape[1] - 1):
-            return None    # rotate_rows is NumPy's there
+        elif _numpy_rotates(st.rot_k, st.rot_v, k.shape[1]):
+            return None
         else:
             # window_row_step's arrays are the kernel's: the windows' int16 bits,
             # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
@@ -330,9 +337,8 @@ class NumbaBackend(ReferenceBackend):
         return self._k.quantize_rows(x, c, int(group))
 
     def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap):
-        hd = k.shape[1]
-        if (rot_k or rot_v) and hd & (hd - 1):
-            return False    # rotate_rows is NumPy's there
+        if _numpy_rotates(rot_k, rot_v, k.shape[1]):
+            return False
         if thk is None:
             thk, kq, ks = _NO_WINDOW, _NO_Q, _NO_S
         else:
