@@ -16,6 +16,7 @@ import warnings
 import numpy as np
 
 from . import _validate as V
+from .decode_step import DecodeStep
 from .errors import SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .modes import KV_COL_WARMUP, KV_K_GROUP, Q8_EXACT_ROWS, KvMode
@@ -640,6 +641,23 @@ class LayerKvCache(WireMixin, BoundedMixin, O1Mixin):
             return got
         out[...] = got
         return out
+
+    def decode_step(self, num_heads: int, *, scale: float | None = None, window: int | None = None,
+                    softcap: float = 0.0, sinks="layer", importance: bool = True,
+                    out: np.ndarray | None = None) -> DecodeStep:
+        """:meth:`append_attend` with these arguments, prepared for a run of
+        decode steps: a :class:`~kvreg.DecodeStep`, ``step(k, v, q)`` with
+        ``q`` ``[num_heads, hd]``, the answer in ``step.out`` (``out``, or a
+        buffer of its own). Bit for bit the calls it stands for; it saves
+        their per-call checks and launch set-up while nothing else changes
+        the layer (a model's decode loop: one step per layer). The arguments
+        are checked here (and again where the layer changed)."""
+        nh = V.positive_int("num_heads", num_heads)
+        self._decode_args(nh, scale, window, softcap, sinks, importance)
+        shape = (nh, self.head_dim)
+        out = np.empty(shape, np.float32) if out is None else V.out_block("out", out, shape)
+        return DecodeStep(self, nh, dict(scale=scale, window=window, softcap=softcap, sinks=sinks,
+                                         importance=importance), out)
 
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
         """``attend_layer``'s arguments checked and resolved for the kernel

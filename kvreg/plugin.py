@@ -437,6 +437,30 @@ class Backend(abc.ABC):
         ``attend_layer`` (this default)."""
         return None
 
+    def prepare_append_attend(self, st, *, owner, shape: tuple[int, int], scale: float, window: int | None = None,
+                              softcap: float = 0.0, sinks: np.ndarray | None = None, importance: bool = False,
+                              out: np.ndarray | None = None):
+        """Optional: :meth:`append_attend_layer` prepared once for a run of
+        decode steps (:class:`kvreg.DecodeStep`): a callable ``step(k, v, q,
+        imp, seq)`` that does what ``append_attend_layer(k, v, q, st,
+        imp=imp, seq=seq, ...)`` with these arguments does (queries of
+        ``shape`` ``(nh, hd)``; the answer in ``out``, allocated here when
+        None), or None for no prepared step. The caller calls it only while
+        ``st`` has changed through the step's own calls since it was made (it
+        checks the storage's version): a step may keep what it read from
+        ``st``, the row count included. This default binds
+        :meth:`append_attend_layer`'s arguments (None when that hook is the
+        base class's)."""
+        if type(self).append_attend_layer is Backend.append_attend_layer:
+            return None
+        if out is None:
+            out = np.empty(shape, np.float32)
+
+        def step(k, v, q, imp, seq):
+            return self.append_attend_layer(k, v, q, st, imp=imp, seq=seq, owner=owner, scale=scale, window=window,
+                                            softcap=softcap, sinks=sinks, importance=importance, out=out)
+        return step
+
     # ── bounded layers ──
 
     @abc.abstractmethod

@@ -485,9 +485,8 @@ class LayerStorage:
         the answer, or None having stored nothing: another mode, no room,
         heads holding different counts, a window not yet full, or no fused
         kernel (the layer then appends and attends in two calls)."""
-        window = bool(self.window)
-        if self.mode.tiered or (self._quantized and not window) or \
-                self.seq_len >= self._imp.shape[0] or (window and self.lens.item(0) >= self.cap):
+        if not self._row_steps() or self.seq_len >= self._imp.shape[0] or \
+                (self.window and self.lens.item(0) >= self.cap):
             return None
         rows = self._rows
         if rows.shared and len(rows.holders) > 1:
@@ -499,6 +498,38 @@ class LayerStorage:
             self.seq_len += 1
             self._touch()
         return out
+
+    def prepare_row_attend_by(self, backend, **attend):
+        """:meth:`append_row_attend_by` prepared for a run of decode steps
+        (:class:`kvreg.DecodeStep`): ``step(k, v, q)`` does what
+        ``append_row_attend_by(k, v, backend, q=q, **attend)`` does, through
+        :meth:`~kvreg.plugin.Backend.prepare_append_attend` (``attend``: the
+        attention's arguments, ``shape`` and ``out``), or None: another mode
+        or no prepared step. Valid while this storage's :attr:`version` is
+        the one the step left (its making's, then its last stored row's):
+        the caller checks. A step declines (None, nothing stored) where
+        :meth:`append_row_attend_by` would copy shared rows first or grow
+        the importance: the unprepared call does that."""
+        step = self._row_steps() and backend.prepare_append_attend(self, owner=self._rows, **attend)
+        if not step:
+            return None
+        rows = self._rows
+
+        def prepared(k, v, q):
+            seq = self.seq_len
+            if seq >= self._imp.shape[0] or (rows.shared and len(rows.holders) > 1):
+                return None
+            out = step(k, v, q, self._imp, seq)
+            if out is not None:
+                self.seq_len = seq + 1
+                self._touch()
+            return out
+        return prepared
+
+    def _row_steps(self) -> bool:
+        """Whether a decode step may store through the backend's fused step:
+        F32, f16, bf16 and q8 (q8k, q8v) rows."""
+        return not self.mode.tiered and (bool(self.window) or not self._quantized)
 
     def window_rows(self) -> bool:
         """Whether a row appends through :meth:`append_window_row`: a q8

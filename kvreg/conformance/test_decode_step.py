@@ -117,3 +117,88 @@ def test_a_refused_append_attend_stores_nothing(backend, mode):
         after = _state(lay)
         assert after[0] == before[0], f"{mode.value}: a refused call ({change or 'shape'}) stored a row"
         np.testing.assert_array_equal(after[2][0][0], before[2][0][0])
+
+
+def _changes(one, two, step: int, kids: list) -> None:
+    """What a host may do to a layer between two decode steps, on both layers
+    alike: each sends the prepared step back through ``append_attend``."""
+    nkv, hd = one.num_kv_heads, one.head_dim
+    if step == 20:                       # an append outside the step
+        k, v = rng_rows(15, 2, nkv * hd)
+        one.append(k, v)
+        two.append(k, v)
+    elif step == 40:                     # an eviction
+        one.evict(50)
+        two.evict(50)
+    elif step == 60:                     # a fork decoding on beside its parent, on the rows they share
+        kids += [one.fork(), two.fork()]
+    elif step == 80 and one.sinks is not None:
+        one.sinks = two.sinks = rng_rows(78, 1, one.sinks.shape[0], 2.0)[0]
+    elif step == 100:
+        one.clear()
+        two.clear()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("opt", ["plain", "window", "sinks_softcap_importance"])
+def test_a_decode_step_answers_and_stores_what_append_attend_does(backend, check, mode, opt):
+    nkv, hd, hpk = 2, 32, 3
+    one, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
+    two, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
+    kw = {"scale": 0.2, "importance": False}
+    if opt == "window":
+        kw["window"] = 9
+    if opt == "sinks_softcap_importance":
+        kw.update(softcap=3.0, importance=True)
+        one.sinks = two.sinks = rng_rows(77, 1, nkv * hpk, 2.0)[0]
+    step = one.decode_step(nkv * hpk, **kw)
+    rows = rng_rows(11, 120, 2 * nkv * hd)
+    kids: list = []
+    for i in range(120):
+        _changes(one, two, i, kids)
+        k, v = rows[i, :nkv * hd], rows[i, nkv * hd:]
+        q = queries(i, nkv * hpk, hd, 2.0)
+        got = step(k, v, q)
+        assert got is step.out
+        check.exact("decode step", got, two.append_attend(k, v, q, **kw), f"{mode.value} {opt} step {i}")
+        if kids:
+            if len(kids) == 2:
+                kids.append(kids[0].decode_step(nkv * hpk, **kw))
+            k, v = rows[119 - i, :nkv * hd], rows[119 - i, nkv * hd:]
+            check.exact("a fork's decode step", kids[2](k, v, q), kids[1].append_attend(k, v, q, **kw),
+                        f"{mode.value} {opt} step {i}")
+    _same_state(check, _state(one), _state(two), f"{mode.value} {opt} after 120 steps")
+    _same_state(check, _state(kids[0]), _state(kids[1]), f"{mode.value} {opt}: the fork made at step 60")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", [m for m in ALL_MODES if m.value in ("f32", "f16", "bf16", "q8")],
+                         ids=lambda m: m.value)
+def test_a_refused_decode_step_stores_nothing(backend, mode):
+    nkv, hd = 2, 32
+    lay, _, _ = filled(backend, nkv, hd, mode, 20, seed=6)
+    step = lay.decode_step(2 * nkv, scale=0.3)
+    k, v = rng_rows(13, 2, nkv * hd)
+    for i in range(3):                   # past the first call: the prepared state, where a backend has one
+        step(k, v, queries(i, 2 * nkv, hd))
+    before = _state(lay)
+    bad = [dict(q=queries(1, 2 * nkv + 2, hd)),            # not the heads the step was made for
+           dict(q=np.zeros((2 * nkv, hd + 1), np.float32)),
+           dict(k=np.zeros(nkv * hd + 1, np.float32))]
+    unstorable = {"f16": 7e4, "bf16": 3.4e38, "q8": np.inf}.get(mode.value)
+    if unstorable is not None:
+        big = k.copy()
+        big[-1] = unstorable
+        bad.append(dict(k=big))
+    for change in bad:
+        args = {"k": k, "v": v, "q": queries(1, 2 * nkv, hd), **change}
+        with pytest.raises(KvregError):
+            step(args["k"], args["v"], args["q"])
+        after = _state(lay)
+        assert after[0] == before[0], f"{mode.value}: a refused step ({sorted(change)}) stored a row"
+        np.testing.assert_array_equal(after[2][0][0], before[2][0][0])
+    for made in (dict(num_heads=0), dict(num_heads=2 * nkv, scale=-1.0), dict(num_heads=2 * nkv, window=0),
+                 dict(num_heads=2 * nkv, out=np.zeros((2 * nkv, hd), np.float64))):
+        with pytest.raises(KvregError):
+            lay.decode_step(**made)

@@ -267,26 +267,34 @@ class NumbaBackend(ReferenceBackend):
 
     def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
                             importance=False, out=None):
-        """The row stored and the layer attended in one launch
-        (:func:`kvreg_numba.kernels.append_attend_kv`): F32, f16 and bf16
-        rows always (:func:`kvreg_numba.kernels.store_row`, which rounds a
-        2-byte row as the core does); a q8 window's step
+        """The row stored and the layer attended in one launch: a step
+        :meth:`prepare_append_attend` makes, called once."""
+        step = self.prepare_append_attend(st, owner=owner, shape=q.shape, scale=scale, window=window,
+                                          softcap=softcap, sinks=sinks, importance=importance, out=out)
+        return None if step is None else step(k, v, q, imp, seq)
+
+    def prepare_append_attend(self, st, *, owner, shape, scale, window=None, softcap=0.0, sinks=None,
+                              importance=False, out=None):
+        """:func:`kvreg_numba.kernels.decode_stepper`: the launch's arguments
+        gathered once, the rows counted by the step. F32, f16 and bf16 rows
+        always (:func:`kvreg_numba.kernels.store_row`, which rounds a 2-byte
+        row as the core does); a q8 window's step
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
         args, elem = _layer_args(self._k, st, owner, "row_memo")
-        row = step = None
-        if not st.window:
-            row = (k, v, imp, seq, bool(importance))
-        elif _numpy_rotates(st.rot_k, st.rot_v, k.shape[1]):
-            return None
-        else:
+        window_step = None
+        if st.window:
+            if _numpy_rotates(st.rot_k, st.rot_v, shape[1]):
+                return None
             # window_row_step's arrays are the kernel's: the windows' int16 bits,
             # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
-            step = (self._append_window_attend, (k, v, st.rot_k, st.rot_v, args[15], args[16], args[1], args[2],
-                                                 args[6], args[7], args[0], args[5], st.lens, st.b8, imp, seq,
-                                                 st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._k.append_attend_kv(q, st.lens, args, elem, row=row, step=step, window=int(window or 0),
-                                        scale=scale, softcap=softcap or 0.0, sinks=sinks, out=out)
+            window_step = (self._append_window_attend,
+                           (st.rot_k, st.rot_v, args[15], args[16], args[1], args[2], args[6], args[7], args[0],
+                            args[5], st.lens, st.b8),
+                           (st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
+        return self._k.decode_stepper(st.lens, args, elem, tuple(shape), cap=st.cap, window_step=window_step,
+                                      importance=importance, window=int(window or 0), scale=scale,
+                                      softcap=softcap or 0.0, sinks=sinks, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
         """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):

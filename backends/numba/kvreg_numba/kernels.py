@@ -2233,7 +2233,7 @@ def _helper_scratch(n, nfloats):
 
 def _run(nbytes, nfloats, *args, row=None, step=None):
     # ``args``: attend_groups' up to ``out``; ``row``: (krow, vrow, imp_all,
-    # seq, importance) to store first (append_attend_kv); ``step``: (kernel,
+    # seq, importance) to store first (decode_stepper); ``step``: (kernel,
     # its leading arguments), a one-thread kernel that stores a row and
     # attends (window.append_window_attend): its answer (whether it stored),
     # or None, having run nothing, where the call would share threads.
@@ -2350,41 +2350,61 @@ def attend_kv(q, lens, kv, elem, *, scale, window=0, softcap=0.0, sinks=None, im
     return out
 
 
-def append_attend_kv(q, lens, kv, elem, *, row=None, step=None, scale, window=0, softcap=0.0, sinks=None,
-                     block=None, out=None):
-    """A decode step that stores its row first, in one launch: :func:`attend_kv`
-    over ``kv`` (a :func:`_kv_args` tuple of the storage's own, writable
-    arrays; ``lens`` its writable counts) with the row stored first, its
-    bits. ``row``: F32, f16 or bf16 rows, ``(krow, vrow, imp_all, seq,
-    importance)`` float32 written to slot ``lens[0]`` of every head
-    (:func:`store_row`: what :meth:`kvreg.storage.LayerStorage.append_row`
-    writes), importance into ``imp_all[:seq + 1]`` when ``importance``.
-    ``step``: a q8 layer's, :func:`kvreg_numba.window.append_window_attend`
-    and its leading arguments, run only where the decode runs on one
-    thread. Returns the answer, or None, having written nothing: heads at
-    different counts, no slot left in the blocks or a finite value a 2-byte
-    block would round to inf (``row``; the caller checked ``imp_all``'s),
-    or not the window's state, a refused value or work that would share
-    threads (``step``); the layer's two calls take it (and refuse what
-    they refuse)."""
+def decode_stepper(lens, kv, elem, shape, *, cap, window_step=None, importance=False, scale, window=0, softcap=0.0,
+                   sinks=None, block=None, out=None):
+    """A decode step that stores its row first, in one launch, prepared once:
+    ``step(k, v, q, imp, seq)`` is :func:`attend_kv` over ``kv`` (a
+    :func:`_kv_args` tuple of the storage's own, writable arrays; ``lens``
+    its writable counts, ``cap`` the rows its blocks hold) with the row
+    stored first, its bits, into ``out`` (float32, the queries' ``shape``
+    ``(nh, hd)``). Without
+    ``window_step`` (F32, f16, bf16 rows): ``k``/``v`` float32 ``[nkv, hd]``
+    written to slot ``lens[0]`` of every head (:func:`store_row`: what
+    :meth:`kvreg.storage.LayerStorage.append_row` writes), importance into
+    ``imp[:seq + 1]`` when ``importance``. ``window_step``: a q8 layer's
+    ``(kernel, before, after)``: :func:`kvreg_numba.window.append_window_attend`
+    and its arguments around ``(k, v, ...)`` and ``(imp, seq, ...)``, run
+    only where the decode runs on one thread.
+
+    The step counts the rows itself: it is valid while the rows change
+    through its own calls only. Each call answers ``out``, or None having
+    written nothing: no slot left, a finite value a 2-byte block would round
+    to inf, or not the window's state, a refused value or work that would
+    share threads (``window_step``); the layer's two calls take it (and
+    refuse what they refuse). None instead of a step where the heads hold
+    different counts. A prepared call is one tuple and :func:`_run`: inside
+    a model each Python frame and numpy call costs µs on every layer."""
     counts = lens.tolist()
-    if row is not None:
-        at = counts[0]
-        if at >= kv[0].shape[1] or counts.count(at) != len(counts):
-            return None
-    nh, hd = q.shape
+    if counts.count(counts[0]) != len(counts):
+        return None
     nkv = len(counts)
+    nh, hd = shape
     hpk = nh // nkv
     if out is None:
         out = np.empty((nh, hd), np.float32)
     block = int(block or config.DECODE_BLOCK)
     window = int(window)
-    nbytes, nfloats = plan_sizes([n + 1 for n in counts], window, -1, block, hpk, hd, elem)
-    done = _run(nbytes, nfloats, q, hpk, _group_ids(nkv), _zeros(nkv), lens, *kv,
-                scale if type(scale) is np.float32 else np.float32(scale),
-                _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out,
-                row=row, step=step)
-    return out if done else None
+    mid = (hpk, _group_ids(nkv), _zeros(nkv), lens, *kv, np.float32(scale),
+           _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out)
+    importance = bool(importance)
+    at = [counts[0]]
+
+    def step(k, v, q, imp, seq):
+        n = at[0]
+        if n >= cap:
+            return None
+        nbytes, nfloats = plan_sizes((n + 1,), window, -1, block, hpk, hd, elem)
+        if window_step is None:
+            done = _run(nbytes * nkv, nfloats * nkv, q, *mid, row=(k, v, imp, seq, importance))
+        else:
+            kernel, before, after = window_step
+            done = _run(nbytes * nkv, nfloats * nkv, q, *mid, step=(kernel, (k, v, *before, imp, seq, *after)))
+        if not done:
+            return None
+        at[0] = n + 1
+        return out
+
+    return step
 
 
 def plan_sizes(lens, window, upto, block, hpk, hd, elem_bytes):

@@ -1,0 +1,104 @@
+"""``DecodeStep``: one layer's decode step prepared once for a run of tokens
+(:meth:`kvreg.LayerKvCache.decode_step`).
+
+A model makes the same call on every layer of every token:
+:meth:`~kvreg.LayerKvCache.append_attend` with the same scale, window and
+output buffer. That call checks its arguments and asks the storage and the
+backend for their launch each time; inside a model, whose matmuls evict the
+interpreter's working set between layers, each of those Python frames costs
+µs. A step resolves them once and keeps the backend's prepared launch
+(:meth:`kvreg.plugin.Backend.prepare_append_attend`) for as long as the
+layer stays as its own last step left it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _validate as V
+from .errors import ShapeError
+from .lifecycle import Lifecycle
+
+__all__ = ["DecodeStep"]
+
+#: Calls a step makes through ``append_attend`` before it asks the backend
+#: again, after the backend had no prepared step or its step declined (a
+#: q8 decode that shares threads declines every call; a retry costs µs).
+RETRY_AFTER = 16
+
+
+class DecodeStep:
+    """``step(k, v, q)`` does what ``layer.append_attend(k, v, q, **args,
+    out=step.out)`` does with the arguments the step was made with: the
+    same bits, the same state afterwards, the same refusals (raised before
+    anything is stored); it returns :attr:`out`, overwritten by each call.
+
+    It takes the prepared launch while the layer's storage is at the
+    version its last step left (and the layer is plain, with the same
+    sinks); anything else that changed the layer (an ``append``, an
+    eviction or trim, capacity growth, a fork's first write on shared rows,
+    new sinks, a seal) sends that call through ``append_attend``, and the
+    step prepares again from the new state. Holds the layer's lock per call
+    (the layer's public methods do)."""
+
+    __slots__ = ("layer", "out", "_args", "_nh", "_fast", "_version", "_sinks", "_retry")
+
+    def __init__(self, layer, num_heads: int, args: dict, out: np.ndarray):
+        self.layer = layer
+        self.out = out
+        self._args = args        # append_attend's keywords: scale, window, softcap, sinks, importance
+        self._nh = num_heads
+        self._fast = None        # the storage's prepared step, or None: through append_attend
+        self._version = None     # the storage version _fast is valid at
+        self._sinks = None       # the layer's sinks _fast was prepared with
+        self._retry = 0          # calls left before preparing again
+
+    def __call__(self, k, v, q) -> np.ndarray:
+        lay = self.layer
+        with lay._lock:
+            nkv, hd = lay.num_kv_heads, lay.head_dim
+            q = V.heads("q_all", q, hd)
+            if q.shape[0] != self._nh:
+                raise ShapeError(f"q_all has {q.shape[0]} heads; this decode step was made for {self._nh}")
+            k = V.rows("k", k, nkv, hd)
+            v = V.rows("v", v, nkv, hd)
+            fast = self._fast
+            if fast is not None:
+                st = lay._st
+                if st.version == self._version and lay._sinks is self._sinks and \
+                        lay._lifecycle is Lifecycle.PLAIN and lay._base + lay._seq_len < V.MAX_POSITION:
+                    if fast(k, v, q) is not None:
+                        lay._fresh = None
+                        lay._seq_len += 1
+                        self._version = st.version
+                        return self.out
+                    self._retry = RETRY_AFTER   # declined, having stored nothing
+                self._fast = None
+            lay.append_attend(k, v, q, out=self.out, **self._args)
+            self._prepare()
+            return self.out
+
+    def _prepare(self) -> None:
+        if self._retry:
+            self._retry -= 1
+            return
+        lay = self.layer
+        st = lay._st
+        if lay._lifecycle is Lifecycle.PLAIN:
+            a = lay._decode_args(self._nh, **self._args)
+            self._fast = st.prepare_row_attend_by(lay.backend, shape=self.out.shape, scale=a["scale"],
+                                                  window=a["window"], softcap=a["softcap"], sinks=a["sinks"],
+                                                  importance=a["imp"] is not None, out=self.out)
+        if self._fast is None:
+            self._retry = RETRY_AFTER
+        else:
+            self._version, self._sinks = st.version, lay._sinks
+
+    @property
+    def prepared(self) -> bool:
+        """Whether the next call may take the prepared launch (the layer not
+        changed since the last step, and the backend has one)."""
+        return self._fast is not None and self.layer._st.version == self._version
+
+    def __repr__(self) -> str:
+        return f"DecodeStep({self.layer!r}, heads={self._nh}, prepared={self.prepared})"
