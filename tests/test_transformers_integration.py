@@ -78,6 +78,30 @@ def test_kvreg_knows_it_runs_inside_the_model_during_its_attention_calls(lm, mon
     assert threads.torch_model() is False
 
 
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_decode_steps_run_through_each_layers_prepared_step(lm, mode, monkeypatch):
+    # A one-sequence decode step calls the layer's DecodeStep, which goes
+    # through append_attend only where something else changed the layer (the
+    # first step, a sliding layer's trim): on numba the rest take the
+    # prepared launch. The tokens are DynamicCache's either way.
+    if "numba" not in kvreg.backends():
+        pytest.skip("the prepared launch is numba's")
+    monkeypatch.setenv("KVREG_THREADS", "1")     # q8: prepared where the decode runs on one thread
+    name, model, tok = lm
+    inputs = tok(PROMPT, return_tensors="pt")
+    calls = []
+    real = kvreg.LayerKvCache.append_attend
+    monkeypatch.setattr(kvreg.LayerKvCache, "append_attend", lambda self, *a, **kw: (calls.append(1),
+                                                                                   real(self, *a, **kw))[1])
+    cache = KvregCache(model, mode=mode, backend="numba")
+    got = _generate(model, inputs, cache, n=12)
+    layers = cache.num_layers
+    assert len(calls) <= 2 * layers, f"{name} {mode}: {len(calls)} append_attend calls in 11 steps of {layers} layers"
+    assert all(step.prepared for _, step, _ in cache._steps.values())
+    if mode == "f32":
+        assert torch.equal(got, _generate(model, inputs, DynamicCache(config=model.config), n=12))
+
+
 def test_past_key_values_keyword_works_too(lm):
     name, model, tok = lm
     inputs = tok(PROMPT, return_tensors="pt")

@@ -263,7 +263,7 @@ class KvregCache(Cache):
         # the first token. The first forward sizes the list to its batch.
         self._seqs: list[KvCache] = [self._new_sequence()]
         self._mask_memo = None   # (mask, whether its new column is attended): _new_column
-        self._outs: dict = {}    # layer -> its decode step's output buffer: _decode_out
+        self._steps: dict = {}   # layer index -> its decode step and output: _decode_step
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -291,7 +291,7 @@ class KvregCache(Cache):
         rows are held once while each fork decodes on."""
         new = copy.copy(self)
         new._seqs = [seq.fork() for seq in self._seqs]
-        new._outs = {}   # a fork may decode in another thread: buffers of its own
+        new._steps = {}   # a fork may decode in another thread: steps and buffers of its own
         new.layers = []
         for layer in self.layers:
             twin = KvregLayer(new, layer.index, layer.sliding_window)
@@ -485,18 +485,18 @@ class KvregCache(Cache):
         if q_len == 1 and bsz == 1 and self._new_column(mask):
             # A decode step of one sequence (every layer, every token): numpy
             # views of the states, no mask ops past the first layer's, and
-            # for a plain layer one layer call into the layer's own output
-            # buffer (each torch, numpy or Python call here costs several µs
-            # inside the model).
+            # for a plain layer its prepared decode step (LayerKvCache.
+            # decode_step), which writes into the layer's own output buffer
+            # (each torch, numpy or Python call here costs several µs inside
+            # the model).
             layer = self._seqs[0].layers[layer_idx]
             if layer.lifecycle is Lifecycle.PLAIN and self.o1 is None and not isinstance(self.policy, Born):
-                buf = self._outs.get(layer_idx)
-                if buf is None:
-                    buf = self._outs[layer_idx] = _decode_out(nh, hd)
-                layer.append_attend(_host(key)[0, :, 0], _host(value)[0, :, 0], _host(query)[0, :, 0],
-                                    scale=scale, window=window, importance=False, out=buf[1])
+                got = self._steps.get(layer_idx)
+                if got is None or got[1].layer is not layer or got[2] != (scale, window):
+                    got = self._steps[layer_idx] = _decode_step(layer, nh, scale, window)
+                got[1](_host(key)[0, :, 0], _host(value)[0, :, 0], _host(query)[0, :, 0])
                 self._bound(layer, window)
-                return (buf[0] if query.dtype == torch.float32 else buf[0].to(query.dtype)), None
+                return (got[0] if query.dtype == torch.float32 else got[0].to(query.dtype)), None
             out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],
                                         _host(value)[0], scale, window)[None]
             out = torch.from_numpy(out)
@@ -596,13 +596,16 @@ class KvregCache(Cache):
                 layer.evict(keep)
 
 
-def _decode_out(nh: int, hd: int) -> tuple:
-    """A layer's decode output ``[1, 1, nh, hd]`` float32 tensor and its numpy
-    view ``[nh, hd]``, which ``append_attend`` writes: one per layer, reused
-    every token (the model reads it before the layer's next step; a tensor
-    from ``torch.from_numpy`` per call costs ~10-20 µs inside a model)."""
-    t = torch.empty((1, 1, nh, hd), dtype=torch.float32)
-    return t, t.numpy().reshape(nh, hd)
+def _decode_step(layer, nh: int, scale, window) -> tuple:
+    """A layer's decode output ``[1, 1, nh, hd]`` float32 tensor, the
+    layer's :class:`kvreg.DecodeStep` that writes it (through its numpy view
+    ``[nh, hd]``) and the ``(scale, window)`` it was made for: one per
+    layer, reused every token (the model reads the output before the
+    layer's next step; a tensor from ``torch.from_numpy`` per call costs
+    ~10-20 µs inside a model)."""
+    t = torch.empty((1, 1, nh, layer.head_dim), dtype=torch.float32)
+    step = layer.decode_step(nh, scale=scale, window=window, importance=False, out=t.numpy().reshape(nh, -1))
+    return t, step, (scale, window)
 
 
 def _host(t) -> np.ndarray:
