@@ -112,13 +112,26 @@ def test_an_explicit_budget_is_used_as_given_and_small_work_on_one_thread(monkey
     kvreg.set_num_threads(3)
     with threads.chosen_threads(threads.SMALL_WORK_BYTES, "t", cap=8) as n:
         assert n == 3
-    assert "t" not in threads._choosers
+    assert not threads._choosers
     kvreg.set_num_threads(None)
     monkeypatch.setattr(threads, "default_threads", lambda: 2)
     for _ in range(2):   # a warm-up call, then the measured one
         with threads.chosen_threads(threads.SMALL_WORK_BYTES, "t") as n:
             assert n == 2
-    assert threads.chooser("t").cost.keys() == {2}
+    assert threads.chooser("t", threads.SMALL_WORK_BYTES).cost.keys() == {2}
+
+
+def test_each_size_of_call_has_its_own_chooser(monkeypatch):
+    # where a second thread starts to pay depends on the size: a power of
+    # two of the bytes shares one measurement, the next power has its own
+    monkeypatch.setattr(threads, "_choosers", {})
+    small = threads.chooser("t", 3 << 20)
+    assert threads.chooser("t", (2 << 20) + 1) is small and threads.chooser("t", 4 << 20) is not small
+    assert threads.chooser("u", 3 << 20) is not small
+    monkeypatch.setattr(threads, "default_threads", lambda: 2)
+    small.cost, small.last = {2: 5.0, 1: 1.0}, {2: 1e18, 1: 1e18}    # measured: one thread, no probe due
+    assert threads.pick(3 << 20, "t")[0] == 1
+    assert threads.pick(64 << 20, "t")[0] == 2                          # a size not measured yet: the budget first
 
 
 def test_torch_spins_only_with_torch_on_more_than_one_thread(monkeypatch):

@@ -2254,19 +2254,19 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     if ntask < 2:
         return one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS) is not False   # attend_groups answers None
     # The call is shared with helper threads that claim tasks from
-    # ``state``: a helper without a core (a busy neighbour) costs the caller
-    # one block at most, so the budget runs unmeasured. But inside a torch
-    # host on several threads torch's OpenMP workers spin after each op and
-    # a helper may share its core with one (SmolLM2 at 4k rows, 2 cores:
-    # ~24 ms of attention a token on two threads, ~20 on one): there the
-    # count is measured (kvreg.threads.Chooser, "numba.decode"). Inside a
-    # torch model's forward (kvreg.threads.torch_model: KvregCache's
-    # attention calls) the tasks run in a prange region on those spinning
-    # workers instead (~14-15 ms); a region waits for its slowest worker,
-    # which the chooser's one-thread count bounds beside a busy neighbour.
-    # The numba count is set and put back as thread_budget does, inline.
+    # ``state`` (a helper without a core, beside a busy neighbour, costs the
+    # caller one block at most), or inside a torch model's forward
+    # (kvreg.threads.torch_model: KvregCache's attention calls) run in a
+    # prange region on torch's spinning OpenMP workers (SmolLM2 at 4k rows,
+    # 2 cores: ~14-15 ms of attention a token against ~24 with helpers that
+    # share cores with those workers). The count is measured per size of
+    # call (kvreg.threads.Chooser, "numba.decode"): posting to helpers costs
+    # more than it saves at 1.5-2 MB on this project's 2-core Xeon (65-100
+    # µs against 58-61 on one thread at 1k rows of 3 KV heads, hd 64), and
+    # a region waits for its slowest worker beside a busy neighbour. The
+    # numba count is set and put back as thread_budget does, inline.
     spins = torch_spins()
-    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS, measure=spins)
+    n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
     if step is not None and n > 1:
         return None
     t0 = time.perf_counter_ns() if chooser is not None else 0

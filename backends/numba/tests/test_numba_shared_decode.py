@@ -117,12 +117,11 @@ def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
 
 @pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")
 def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faster(monkeypatch):
-    # Inside a torch host on several threads, torch's OpenMP workers spin
-    # after each op: the decode measures both counts (kvreg.threads.Chooser)
-    # and runs the faster; inside a torch model's forward
-    # (kvreg.threads.set_torch_model) its tasks run in a prange region on
-    # those workers. Elsewhere it shares the call with helper threads, the
-    # budget unmeasured.
+    # The decode measures both counts (kvreg.threads.Chooser, per size of
+    # call) and runs the faster; inside a torch model's forward
+    # (kvreg.threads.set_torch_model) with torch on several threads its
+    # tasks run in a prange region on torch's spinning workers, elsewhere
+    # it shares the call with helper threads.
     import time
 
     from kvreg import threads
@@ -134,7 +133,7 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     monkeypatch.delenv("KVREG_THREADS", raising=False)
     monkeypatch.setattr(threads, "default_threads", lambda: 2)
     monkeypatch.setattr(threads, "_choosers", {})
-    ch = threads.chooser("numba.decode")
+    ch = threads.chooser("numba.decode", 4096 * 8 * 128 * 8)   # the call's size: 4k rows of K and V
     now = time.monotonic()
     ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}   # two threads measured slower
     posted = []
@@ -146,13 +145,10 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
     monkeypatch.setattr(threads, "_model", threading.local())   # this test's own, dropped after it
     threads.set_torch_model(True)
-    monkeypatch.setattr(K, "torch_spins", lambda: False)
-    want = lay.attend_layer(q)
-    assert posted == [1] and not regions and ch.last == {2: now, 1: now}   # no torch: the budget, unmeasured
-    posted.clear()
     monkeypatch.setattr(K, "torch_spins", lambda: True)
+    want = None
     for _ in range(2):                          # a switch's warm-up call, then the measured one
-        lay.attend_layer(q)
+        want = lay.attend_layer(q)
     assert not posted and not regions and ch.last[1] > now      # one thread, timed for the chooser
     ch.cost[2] = 0.5                            # a probe found two faster again
     for _ in range(2):
@@ -162,6 +158,11 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     before = ch.last[2]
     np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
     assert posted == [1] and regions == [2, 2] and ch.last[2] > before
+    monkeypatch.setattr(K, "torch_spins", lambda: False)   # no torch: helpers, measured all the same
+    posted.clear()
+    before = ch.last[2]
+    np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
+    assert posted == [1] and ch.last[2] > before
 
 
 @pytest.mark.skipif(__import__("numba").config.NUMBA_NUM_THREADS < 2, reason="needs a pool of 2 threads")

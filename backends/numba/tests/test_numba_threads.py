@@ -94,7 +94,7 @@ def test_under_the_default_budget_the_count_measured_faster_runs(monkeypatch):
 
     monkeypatch.setattr(threads, "default_threads", lambda: 2)
     monkeypatch.setattr(threads, "_choosers", {})
-    ch = threads.chooser("numba.decode")
+    ch = threads.chooser("numba.decode", 1 << 30)
     now = time.monotonic()
     # two threads measured 50x slower (busy neighbours), probed a moment ago
     ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}
