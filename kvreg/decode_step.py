@@ -35,13 +35,14 @@ class DecodeStep:
 
     It takes the prepared launch while the layer's storage is at the
     version its last step left (and the layer is plain, with the same
-    sinks); anything else that changed the layer (an ``append``, an
-    eviction or trim, capacity growth, a fork's first write on shared rows,
-    new sinks, a seal) sends that call through ``append_attend``, and the
-    step prepares again from the new state. Holds the layer's lock per call
-    (the layer's public methods do)."""
+    sinks and backend); anything else that changed the layer (an
+    ``append``, an eviction or trim, capacity growth, a fork's first write
+    on shared rows, new sinks, another backend, a seal) sends that call
+    through ``append_attend``, and the step prepares again from the new
+    state. Holds the layer's lock per call (the layer's public methods
+    do)."""
 
-    __slots__ = ("layer", "out", "_args", "_nh", "_fast", "_version", "_sinks", "_retry")
+    __slots__ = ("layer", "out", "_args", "_nh", "_fast", "_version", "_sinks", "_backend", "_retry")
 
     def __init__(self, layer, num_heads: int, args: dict, out: np.ndarray):
         self.layer = layer
@@ -51,6 +52,7 @@ class DecodeStep:
         self._fast = None        # the storage's prepared step, or None: through append_attend
         self._version = None     # the storage version _fast is valid at
         self._sinks = None       # the layer's sinks _fast was prepared with
+        self._backend = None     # and its backend
         self._retry = 0          # calls left before preparing again
 
     def __call__(self, k, v, q) -> np.ndarray:
@@ -64,13 +66,11 @@ class DecodeStep:
             v = V.rows("v", v, nkv, hd)
             fast = self._fast
             if fast is not None:
-                st = lay._st
-                if st.version == self._version and lay._sinks is self._sinks and \
-                        lay._lifecycle is Lifecycle.PLAIN and lay._base + lay._seq_len < V.MAX_POSITION:
+                if self._unchanged(lay) and lay._base + lay._seq_len < V.MAX_POSITION:
                     if fast(k, v, q) is not None:
                         lay._fresh = None
                         lay._seq_len += 1
-                        self._version = st.version
+                        self._version = lay._st.version
                         return self.out
                     self._retry = RETRY_AFTER   # declined, having stored nothing
                 self._fast = None
@@ -92,13 +92,19 @@ class DecodeStep:
         if self._fast is None:
             self._retry = RETRY_AFTER
         else:
-            self._version, self._sinks = st.version, lay._sinks
+            self._version, self._sinks, self._backend = st.version, lay._sinks, lay.backend
+
+    def _unchanged(self, lay) -> bool:
+        """Whether the layer is as the last prepared step left it."""
+        return lay._st.version == self._version and lay._sinks is self._sinks and lay.backend is self._backend \
+            and lay._lifecycle is Lifecycle.PLAIN
 
     @property
     def prepared(self) -> bool:
-        """Whether the next call may take the prepared launch (the layer not
-        changed since the last step, and the backend has one)."""
-        return self._fast is not None and self.layer._st.version == self._version
+        """Whether the next call may take the prepared launch (the backend
+        has one, and nothing but the step changed the layer since its last
+        call)."""
+        return self._fast is not None and self._unchanged(self.layer)
 
     def __repr__(self) -> str:
         return f"DecodeStep({self.layer!r}, heads={self._nh}, prepared={self.prepared})"

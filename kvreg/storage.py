@@ -485,8 +485,7 @@ class LayerStorage:
         the answer, or None having stored nothing: another mode, no room,
         heads holding different counts, a window not yet full, or no fused
         kernel (the layer then appends and attends in two calls)."""
-        if not self._row_steps() or self.seq_len >= self._imp.shape[0] or \
-                (self.window and self.lens.item(0) >= self.cap):
+        if not (self._row_steps() and self._row_step_room()):
             return None
         rows = self._rows
         if rows.shared and len(rows.holders) > 1:
@@ -516,12 +515,11 @@ class LayerStorage:
         rows = self._rows
 
         def prepared(k, v, q):
-            seq = self.seq_len
-            if seq >= self._imp.shape[0] or (rows.shared and len(rows.holders) > 1):
+            if not self._row_step_room() or (rows.shared and len(rows.holders) > 1):
                 return None
-            out = step(k, v, q, self._imp, seq)
+            out = step(k, v, q, self._imp, self.seq_len)
             if out is not None:
-                self.seq_len = seq + 1
+                self.seq_len += 1
                 self._touch()
             return out
         return prepared
@@ -530,6 +528,12 @@ class LayerStorage:
         """Whether a decode step may store through the backend's fused step:
         F32, f16, bf16 and q8 (q8k, q8v) rows."""
         return not self.mode.tiered and (bool(self.window) or not self._quantized)
+
+    def _row_step_room(self) -> bool:
+        """Whether the fused step has the slots it writes: the row's
+        importance, and a q8 window's integer slot (an F32, f16 or bf16
+        step checks its row's slot itself)."""
+        return self.seq_len < self._imp.shape[0] and not (self.window and self.lens.item(0) >= self.cap)
 
     def window_rows(self) -> bool:
         """Whether a row appends through :meth:`append_window_row`: a q8

@@ -27,12 +27,10 @@ def _same_state(check, a, b, what):
         check.exact("values", va, vb, f"{what}: head {h}")
 
 
-@pytest.mark.quick
-@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
-@pytest.mark.parametrize("opt", ["plain", "window", "sinks_softcap_importance"])
-def test_append_attend_equals_append_then_attend_layer(backend, check, mode, opt):
-    nkv, hd, hpk = 2, 32, 3
-    # 61 rows, then steps across the first capacity growth and the q8 field's freeze
+def _twins(backend, mode, opt, nkv, hd, hpk):
+    """Two layers holding the same 61 rows (the steps then cross the first
+    capacity growth and the q8 field's freeze) and the decode arguments of
+    ``opt``."""
     one, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
     two, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
     kw = {"scale": 0.2, "importance": False}
@@ -41,6 +39,15 @@ def test_append_attend_equals_append_then_attend_layer(backend, check, mode, opt
     if opt == "sinks_softcap_importance":
         kw.update(softcap=3.0, importance=True)
         one.sinks = two.sinks = rng_rows(77, 1, nkv * hpk, 2.0)[0]
+    return one, two, kw
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("mode", ALL_MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("opt", ["plain", "window", "sinks_softcap_importance"])
+def test_append_attend_equals_append_then_attend_layer(backend, check, mode, opt):
+    nkv, hd, hpk = 2, 32, 3
+    one, two, kw = _twins(backend, mode, opt, nkv, hd, hpk)
     rows = rng_rows(11, 80, 2 * nkv * hd)
     for step in range(80):
         k, v = rows[step, :nkv * hd], rows[step, nkv * hd:]
@@ -144,14 +151,7 @@ def _changes(one, two, step: int, kids: list) -> None:
 @pytest.mark.parametrize("opt", ["plain", "window", "sinks_softcap_importance"])
 def test_a_decode_step_answers_and_stores_what_append_attend_does(backend, check, mode, opt):
     nkv, hd, hpk = 2, 32, 3
-    one, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
-    two, _, _ = filled(backend, nkv, hd, mode, 61, seed=3)
-    kw = {"scale": 0.2, "importance": False}
-    if opt == "window":
-        kw["window"] = 9
-    if opt == "sinks_softcap_importance":
-        kw.update(softcap=3.0, importance=True)
-        one.sinks = two.sinks = rng_rows(77, 1, nkv * hpk, 2.0)[0]
+    one, two, kw = _twins(backend, mode, opt, nkv, hd, hpk)
     step = one.decode_step(nkv * hpk, **kw)
     rows = rng_rows(11, 120, 2 * nkv * hd)
     kids: list = []

@@ -485,10 +485,10 @@ class KvregCache(Cache):
         if q_len == 1 and bsz == 1 and self._new_column(mask):
             # A decode step of one sequence (every layer, every token): numpy
             # views of the states, no mask ops past the first layer's, and
-            # for a plain layer its prepared decode step (LayerKvCache.
-            # decode_step), which writes into the layer's own output buffer
-            # (each torch, numpy or Python call here costs several µs inside
-            # the model).
+            # for a plain layer its prepared decode step
+            # (LayerKvCache.decode_step), which writes into the layer's own
+            # output buffer (each torch, numpy or Python call here costs
+            # several µs inside the model).
             layer = self._seqs[0].layers[layer_idx]
             if layer.lifecycle is Lifecycle.PLAIN and self.o1 is None and not isinstance(self.policy, Born):
                 got = self._steps.get(layer_idx)

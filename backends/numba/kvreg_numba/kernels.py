@@ -2357,14 +2357,15 @@ def decode_stepper(lens, kv, elem, shape, *, cap, window_step=None, importance=F
     :func:`_kv_args` tuple of the storage's own, writable arrays; ``lens``
     its writable counts, ``cap`` the rows its blocks hold) with the row
     stored first, its bits, into ``out`` (float32, the queries' ``shape``
-    ``(nh, hd)``). Without
-    ``window_step`` (F32, f16, bf16 rows): ``k``/``v`` float32 ``[nkv, hd]``
-    written to slot ``lens[0]`` of every head (:func:`store_row`: what
+    ``(nh, hd)``). Without ``window_step`` (F32, f16, bf16 rows):
+    ``k``/``v`` float32 ``[nkv, hd]`` written to slot ``lens[0]`` of every
+    head (:func:`store_row`: what
     :meth:`kvreg.storage.LayerStorage.append_row` writes), importance into
     ``imp[:seq + 1]`` when ``importance``. ``window_step``: a q8 layer's
-    ``(kernel, before, after)``: :func:`kvreg_numba.window.append_window_attend`
-    and its arguments around ``(k, v, ...)`` and ``(imp, seq, ...)``, run
-    only where the decode runs on one thread.
+    ``(kernel, before, after)``:
+    :func:`kvreg_numba.window.append_window_attend` and its arguments
+    around ``(k, v, ...)`` and ``(imp, seq, ...)``, run only where the
+    decode runs on one thread.
 
     The step counts the rows itself: it is valid while the rows change
     through its own calls only. Each call answers ``out``, or None having

@@ -47,3 +47,7 @@ def test_a_decode_step_takes_its_prepared_launch_until_the_layer_changes(mode, m
         step(*rng.standard_normal((2, nkv, hd)).astype(np.float32), q)
     assert calls == {"append_attend": 2, "prepare": 4}, (mode, calls)
     assert lay.seq_len == 101 + 46
+    lay.backend = NumbaBackend()          # another backend object: its own launch
+    assert not step.prepared
+    step(*rng.standard_normal((2, nkv, hd)).astype(np.float32), q)
+    assert step.prepared and calls == {"append_attend": 3, "prepare": 6}, (mode, calls)
