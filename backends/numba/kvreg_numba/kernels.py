@@ -2265,7 +2265,6 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     # µs against 58-61 on one thread at 1k rows of 3 KV heads, hd 64), and
     # a region waits for its slowest worker beside a busy neighbour. The
     # numba count is set and put back as thread_budget does, inline.
-    spins = torch_spins()
     n, chooser, budget = pick(nbytes, "numba.decode", numba.config.NUMBA_NUM_THREADS)
     if step is not None and n > 1:
         return None
@@ -2273,7 +2272,7 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     done = True
     if n < 2:
         done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS) is not False
-    elif spins and torch_model() and _in_torch_pool():
+    elif torch_model() and torch_spins() and _in_torch_pool():
         old = _get_threads()
         if n != old:
             _set_threads(n)
@@ -2388,6 +2387,7 @@ def decode_stepper(lens, kv, elem, shape, *, cap, window_step=None, importance=F
     mid = (hpk, _group_ids(nkv), _zeros(nkv), lens, *kv, np.float32(scale),
            _ZERO if not softcap else np.float32(softcap), _sinks(sinks), block, window, -1, _EMPTY_F1, out)
     importance = bool(importance)
+    kernel, before, after = window_step or (None, (), ())
     at = [counts[0]]
 
     def step(k, v, q, imp, seq):
@@ -2395,10 +2395,9 @@ def decode_stepper(lens, kv, elem, shape, *, cap, window_step=None, importance=F
         if n >= cap:
             return None
         nbytes, nfloats = plan_sizes((n + 1,), window, -1, block, hpk, hd, elem)
-        if window_step is None:
+        if kernel is None:
             done = _run(nbytes * nkv, nfloats * nkv, q, *mid, row=(k, v, imp, seq, importance))
         else:
-            kernel, before, after = window_step
             done = _run(nbytes * nkv, nfloats * nkv, q, *mid, step=(kernel, (k, v, *before, imp, seq, *after)))
         if not done:
             return None
