@@ -24,7 +24,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import config
-from .kernels import _CACHE, _broadcast, _ir_fma, _target_has, column_sums_into, softmax_row
+from .kernels import _CACHE, _broadcast, _claim, _claim_of, _ir_fma, _target_has, column_sums_into, softmax_row
 
 #: float32 lanes of a vector register: 16 where the target has AVX-512, else
 #: 8 (AVX2's ymm; numba's on-disk cache is keyed on the CPU features). The
@@ -210,12 +210,13 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     """Causal (windowed when ``w > 0``) attention of the chunk ``q [b, nh,
     hd]`` at rows ``[s0, s0 + b)`` of ``k``/``v`` (``[nkv, cap, hd]``
     float32, C-contiguous; ``hd`` a multiple of 16) into ``out``; ``imp``
-    (length 0 = none) gets each key's probability column sums. The tiles are
-    dealt round-robin to lanes (tile ``t`` to lane ``t % lanes``) run by
-    ``threads`` parallel workers. With importance there are
-    ``min(IMP_LANES, tiles)`` lanes whatever the threads, each summing its
-    tiles' columns in tile and row order, added to ``imp`` in lane order:
-    the same bits on any thread count."""
+    (length 0 = none) gets each key's probability column sums. ``threads``
+    parallel workers claim the tiles one at a time, last (costliest) first;
+    with importance they claim lanes instead: the tiles are dealt
+    round-robin to ``min(IMP_LANES, tiles)`` lanes whatever the threads
+    (tile ``t`` to lane ``t % lanes``), each summing its tiles' columns in
+    tile and row order, added to ``imp`` in lane order: the same bits on
+    any thread count."""
     b, _, hd = q.shape
     nkv = k.shape[0]
     n = s0 + b
@@ -227,26 +228,46 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     ncol_max = n - kstart + KEYS
     ni = min(imp.shape[0], n)
     has_imp = ni > kstart
-    lanes = min(IMP_LANES, ntile) if has_imp else max(1, min(threads, ntile))
-    P = np.empty((lanes, mp, hd), np.float32)
-    S = np.empty((lanes, mp, ncol_max), np.float32)
-    O = np.empty((lanes, mp, hd), np.float32)
-    inv = np.empty((lanes, mp), np.float32)
-    part = np.zeros((lanes if has_imp else 0, max(ni - kstart, 0)), np.float32)
+    # Work is claimed a unit at a time: a tile, costliest (last) first; with
+    # importance a lane (tiles lane, lane + lanes, ...: costs interleave
+    # along the causal triangle). A worker whose core a busy neighbour
+    # shares then takes fewer units instead of holding the chunk back by
+    # half. A unit's bits follow from its inputs alone, whoever runs it.
+    lanes = min(IMP_LANES, ntile) if has_imp else 0
+    units = lanes if has_imp else ntile
+    workers = max(1, min(threads, units))
+    P = np.empty((workers, mp, hd), np.float32)
+    S = np.empty((workers, mp, ncol_max), np.float32)
+    O = np.empty((workers, mp, hd), np.float32)
+    inv = np.empty((workers, mp), np.float32)
+    part = np.zeros((lanes, max(ni - kstart, 0)), np.float32)
+    taken = np.zeros(1, np.int64)
     for g in range(nkv):
         _pack_keys(k, g, kstart, n, kp)
-        for lane in prange(lanes):   # tiles lane, lane + lanes, ...: costs interleave along the causal triangle
-            for t in range(lane, ntile, lanes):
-                i0 = t * bt
-                m = hpk * min(bt, b - i0)
-                col0, ncol = _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[lane], S[lane],
-                                   O[lane], inv[lane], out)
-                c1 = min(ni, col0 + ncol)
-                if has_imp and c1 > col0:
-                    probs = S[lane, :m, :c1 - col0]
-                    for row in range(m):
-                        probs[row] *= inv[lane, row]
-                    column_sums_into(probs, part[lane, col0 - kstart:c1 - kstart])
+        taken[0] = 0
+        for wk in prange(workers):
+            while True:
+                u = _claim_of(taken, 0)
+                if u >= units:
+                    break
+                if _claim(taken, 0, u, u + 1) != u:
+                    continue
+                if not has_imp:
+                    i0 = (ntile - 1 - u) * bt
+                    _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[wk], S[wk], O[wk],
+                          inv[wk], out)
+                    continue
+                for t in range(u, ntile, lanes):
+                    i0 = t * bt
+                    m = hpk * min(bt, b - i0)
+                    col0, ncol = _tile(q, g, hpk, i0, min(bt, b - i0), s0, w, kstart, kp, v, scale, P[wk], S[wk],
+                                       O[wk], inv[wk], out)
+                    c1 = min(ni, col0 + ncol)
+                    if c1 > col0:
+                        probs = S[wk, :m, :c1 - col0]
+                        for row in range(m):
+                            probs[row] *= inv[wk, row]
+                        column_sums_into(probs, part[u, col0 - kstart:c1 - kstart])
     for lane in range(part.shape[0]):
         dst = imp[kstart:ni]
         src = part[lane]
