@@ -10,7 +10,10 @@ Data comes from seeded generators cached per process, so a benchmark's
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -87,3 +90,18 @@ def matmul_flops() -> float:
     from kvreg_tools.bench import matmul_flops as mf
 
     return mf(quick=True)
+
+
+_BUSY = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_neighbour():
+    """Another process spinning on one core while inside (issue 17's
+    competing process), killed on the way out."""
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()

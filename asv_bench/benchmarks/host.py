@@ -4,8 +4,6 @@ measured in one process against its own reference)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -97,9 +95,6 @@ class ExtendLayouts:
         self.layer.extend(self.k, self.k, layout=layout)
 
 
-_BUSY = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
-
-
 class DecodeBesideABusyProcess:
     """A decode step (4k rows, 32/8 heads, hd 128) while another process
     spins on the same cores, over the same step on a quiet machine (issue
@@ -117,12 +112,8 @@ class DecodeBesideABusyProcess:
     def track_busy_over_quiet(self, name):
         step = lambda: self.layer.attend_layer(self.q)  # noqa: E731
         quiet = common.best_time(step)
-        busy = subprocess.Popen([sys.executable, "-c", _BUSY])
-        try:
+        with common.busy_neighbour():
             loaded = common.best_time(step)
-        finally:
-            busy.kill()
-            busy.wait()
         return loaded / quiet
 
     track_busy_over_quiet.unit = "x (busy neighbour / quiet)"
