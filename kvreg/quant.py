@@ -9,6 +9,8 @@ saturating ``as i8``).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 SCALE_FLOOR = np.float32(1e-12)
@@ -43,16 +45,22 @@ def quantize_rows(x: np.ndarray, col: np.ndarray | None, group: int) -> tuple[np
     pad = ng * group - hd
     rp = np.pad(r, ((0, 0), (0, pad))) if pad else r
     rg = rp.reshape(n, ng, group)
-    # Rust's f32::max ignores a NaN operand: fmax does the same.
-    with np.errstate(invalid="ignore"):
-        absmax = np.fmax.reduce(np.abs(rg), axis=2)
-        s = np.fmax(absmax / _Q_MAX, SCALE_FLOOR).astype(np.float32)
+    # One errstate and a dozen C calls: a q8 decode append quantizes two
+    # handfuls of rows, where each NumPy call is most of the cost.
     with np.errstate(invalid="ignore", divide="ignore"):
-        qf = round_half_away(rg / s[:, :, None])
-        np.clip(qf, -_Q_MAX, _Q_MAX, out=qf)
-    # NaN -> 0 (the clip left no inf); two C calls, where np.nan_to_num is
-    # a dozen Python-level steps (~10 us of a decode append's ~150)
-    np.copyto(qf, np.float32(0.0), where=np.isnan(qf))
+        # Rust's f32::max ignores a NaN operand: fmax does the same.
+        s = np.fmax(np.fmax.reduce(np.abs(rg), axis=2) / _Q_MAX, SCALE_FLOOR)
+        y = (rg / s[:, :, None]).astype(np.float64)
+        # round_half_away in float64: y + copysign(0.5, y) is exact for
+        # every float32 y (or cannot reach the next integer), so trunc gives
+        # the same integers (a zero's sign aside, which int8 drops)
+        qf = np.copysign(0.5, y)
+        np.add(y, qf, out=qf)
+        np.trunc(qf, out=qf)
+        np.maximum(qf, -_Q_MAX, out=qf)
+        np.minimum(qf, _Q_MAX, out=qf)
+    # NaN -> 0 (the clamp left no inf)
+    np.copyto(qf, 0.0, where=np.isnan(qf))
     q = qf.astype(np.int8).reshape(n, ng * group)[:, :hd]
     return np.ascontiguousarray(q), s
 
@@ -157,19 +165,47 @@ def fwht(x: np.ndarray) -> np.ndarray:
     # Channel-major [hd, n] between two buffers: a stage's butterflies are
     # then whole rows (inner loops of h*n, not h, elements): 2 ufunc calls a
     # stage, the same elementwise float32 ops as the per-row form.
-    src = x.reshape(n, hd).T.copy()
-    dst = np.empty_like(src)
-    h = 1
-    while h < hd:
-        a = src.reshape(hd // (2 * h), 2, h * n)
-        b = dst.reshape(hd // (2 * h), 2, h * n)
-        np.add(a[:, 0], a[:, 1], out=b[:, 0])
-        np.subtract(a[:, 0], a[:, 1], out=b[:, 1])
-        src, dst = dst, src
-        h *= 2
-    out = dst.reshape(n, hd)
-    np.multiply(src.T, np.float32(1.0 / np.sqrt(hd)), out=out)
+    src, stages, res = _fwht_plan(n, hd)
+    np.copyto(src, x.reshape(n, hd).T)
+    for a0, a1, b0, b1 in stages:
+        np.add(a0, a1, out=b0)
+        np.subtract(a0, a1, out=b1)
+    out = np.empty((n, hd), np.float32)
+    np.multiply(res.T, np.float32(1.0 / np.sqrt(hd)), out=out)
     return out.reshape(shape)
+
+
+#: Rows x channels up to which a thread keeps its :func:`fwht` buffers and
+#: stage views (a decode step rotates a few rows: building the views cost
+#: a third of its transform).
+_FWHT_PLAN_MAX = 1 << 14
+_fwht_plans = threading.local()
+
+
+def _fwht_plan(n: int, hd: int):
+    """``(src, stages, result)``: the two ``[hd, n]`` buffers' stage views
+    ``(a0, a1, b0, b1)`` (``b0 = a0 + a1``, ``b1 = a0 - a1``) and the buffer
+    the last stage writes; this thread's, kept for small transforms."""
+    plans = getattr(_fwht_plans, "by_shape", None)
+    if plans is None:
+        plans = _fwht_plans.by_shape = {}
+    plan = plans.get((n, hd))
+    if plan is not None:
+        return plan
+    src = np.empty((hd, n), np.float32)
+    a, b, stages, h = src, np.empty_like(src), [], 1
+    while h < hd:
+        av = a.reshape(hd // (2 * h), 2, h * n)
+        bv = b.reshape(hd // (2 * h), 2, h * n)
+        stages.append((av[:, 0], av[:, 1], bv[:, 0], bv[:, 1]))
+        a, b = b, a
+        h *= 2
+    plan = (src, stages, a)
+    if n * hd <= _FWHT_PLAN_MAX:
+        if len(plans) >= 16:
+            plans.pop(next(iter(plans)))
+        plans[(n, hd)] = plan
+    return plan
 
 
 def quantize_half_scaled(x: np.ndarray, group: int, qmax: int) -> tuple[np.ndarray, np.ndarray]:
