@@ -176,3 +176,39 @@ def test_equal_layers_export_equal_bytes_whatever_their_history(mode):
     a.append(k[200], v[200])
     b.append(k[200], v[200])
     assert a.export_wire() == b.export_wire()
+
+
+def _fwht_per_row(x):
+    """The butterflies row by row, in fwht's stage order (an independent oracle)."""
+    out = np.array(x, dtype=np.float32).reshape(-1, x.shape[-1])
+    hd = out.shape[1]
+    for row in out:
+        h = 1
+        while h < hd:
+            for i in range(0, hd, 2 * h):
+                a, b = row[i:i + h].copy(), row[i + h:i + 2 * h].copy()
+                row[i:i + h], row[i + h:i + 2 * h] = a + b, a - b
+            h *= 2
+    return (out * np.float32(1.0 / np.sqrt(hd))).reshape(x.shape)
+
+
+def test_fwht_answers_fresh_arrays_with_the_per_row_bits_from_any_thread():
+    # fwht keeps per-thread buffers for small shapes: an answer must never be
+    # one of them (a later call would overwrite it), nor another thread's.
+    import threading
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in ((8, 128), (2, 8, 128), (8, 128), (5, 64), (300, 256))]
+    outs = [fwht(x) for x in xs]
+    for x, out in zip(xs, outs):
+        assert out.shape == x.shape
+        assert np.array_equal(out.view(np.uint32), _fwht_per_row(x).view(np.uint32))
+    seen = []
+
+    def other():
+        seen.append(fwht(xs[0] * 2))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert np.array_equal(outs[0], _fwht_per_row(xs[0])) and np.array_equal(seen[0], _fwht_per_row(xs[0] * 2))
