@@ -17,27 +17,28 @@ def test_bench_model_quick_reports_split_ratios_and_raw_timings(tmp_path, capsys
     from kvreg.cli import main
 
     out = tmp_path / "model.json"
-    assert main(["bench", "--model", "smollm2-135m", "--quick", "--configs", "kvreg:f32,dynamic,static",
-                 "--json", str(out)]) == 0
+    assert main(["bench", "--model", "smollm2-135m", "--quick", "--repeats", "2", "--configs",
+                 "kvreg:f32,dynamic,static", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     for part in ("| kvreg:f32 |", "| dynamic |", "| static |", "cache+attn / dynamic", "prefill attn / SDPA",
                  "target kvreg:f32"):
         assert part in text, part
     res = json.loads(out.read_text())
-    assert res["model"] == "smollm2-135m" and res["context"] == 64 and res["steps"] == 2 and res["repeats"] == 1
+    assert res["model"] == "smollm2-135m" and res["context"] == 64 and res["steps"] == 2 and res["repeats"] == 2
     assert res["configs"] == ["kvreg:f32", "dynamic", "static"]
     layers = 30
     for name in res["configs"]:
         raw = res["raw"][name]
-        pre = raw["prefill"]
-        assert pre["tokens"] == 64 and pre["attention_calls"] == layers
-        assert pre["cache_ns"] + pre["attention_ns"] + pre["rest_ns"] == pre["step_ns"]
-        assert (pre["kvreg_store_ns"] > 0) == name.startswith("kvreg")   # the prefill's extend
-        assert len(raw["steps"]) == 2 and len(raw["tokens"]) == 1 + 1 + 2   # prefill, warm-up, timed
+        assert len(raw["earlier_prefills"]) == 1   # a prefill per round, the last on the kept cache
+        for pre in raw["earlier_prefills"] + [raw["prefill"]]:
+            assert pre["tokens"] == 64 and pre["attention_calls"] == layers
+            assert pre["cache_ns"] + pre["attention_ns"] + pre["rest_ns"] == pre["step_ns"]
+            assert (pre["kvreg_store_ns"] > 0) == name.startswith("kvreg")   # the prefill's extend
+        assert len(raw["steps"]) == 4 and len(raw["tokens"]) == 1 + 1 + 4   # prefill, warm-up, timed
         for st in raw["steps"]:
             assert st["cache_ns"] > 0 and st["attention_ns"] > 0 and st["rest_ns"] > 0
             assert st["cache_ns"] + st["attention_ns"] + st["rest_ns"] == st["step_ns"]
-            assert st["attention_calls"] == layers and st["round"] == 0
+            assert st["attention_calls"] == layers and st["round"] in (0, 1)
             assert st["update_call_ns"] + st["kvreg_store_ns"] == st["cache_ns"]
             # a decode step stores its row inside append_attend: attention, not a store call
             assert st["kvreg_store_ns"] == 0
@@ -45,7 +46,8 @@ def test_bench_model_quick_reports_split_ratios_and_raw_timings(tmp_path, capsys
         parts = s["median_cache_ms"] + s["median_attention_ms"] + s["median_rest_ms"]
         assert parts == pytest.approx(s["median_step_ms"], rel=1e-9)
         assert s["tokens_per_s"] == pytest.approx(1e3 / s["median_step_ms"])
-        assert s["prefill_attention_ms"] > 0
+        both = [p["attention_ns"] / 1e6 for p in raw["earlier_prefills"] + [raw["prefill"]]]
+        assert s["prefill_attention_ms"] == pytest.approx(sum(both) / 2) and s["prefill_rounds"] == 2
     r = res["ratios"]["kvreg:f32"]
     for key in ("cache_attention_vs_dynamic", "cache_attention_vs_static", "step_vs_dynamic", "step_vs_static",
                 "prefill_attention_vs_sdpa"):
