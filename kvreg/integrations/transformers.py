@@ -507,6 +507,13 @@ class KvregCache(Cache):
             # float32 model's states are stored without another copy.
             k = key.detach().to(torch.float32)
             v = value.detach().to(torch.float32)
+            if bsz == 1 and _new_columns(mask, 0, q_len) is None:
+                # One unpadded sequence (a prefill): its answer is the output,
+                # without a zeroed [n, nh, hd] buffer and a copy into it (~2 ms
+                # of a 4k SmolLM2 layer's ~95).
+                res = self._attend_sequence(self._seqs[0].layers[layer_idx], q[0].numpy(), k[0].numpy(),
+                                            v[0].numpy(), scale, window)
+                return torch.from_numpy(res[None]).to(query.dtype), None
             out = np.zeros((bsz, q_len, nh, hd), dtype=np.float32)
             if q_len == 1 and bsz > 1:
                 self._decode_batch(layer_idx, q, k, v, mask, scale, window, out)
