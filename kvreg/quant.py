@@ -49,7 +49,7 @@ def quantize_rows(x: np.ndarray, col: np.ndarray | None, group: int) -> tuple[np
     # handfuls of rows, where each NumPy call is most of the cost.
     with np.errstate(invalid="ignore", divide="ignore"):
         # Rust's f32::max ignores a NaN operand: fmax does the same.
-        s = np.fmax(np.fmax.reduce(np.abs(rg), axis=2) / _Q_MAX, SCALE_FLOOR)
+        s = np.fmax(np.fmax.reduce(np.abs(rg), axis=2) / _Q_MAX, SCALE_FLOOR).astype(np.float32, copy=False)
         y = (rg / s[:, :, None]).astype(np.float64)
         # round_half_away in float64: y + copysign(0.5, y) is exact for
         # every float32 y (or cannot reach the next integer), so trunc gives
