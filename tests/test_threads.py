@@ -105,6 +105,22 @@ def test_the_chooser_runs_the_budget_on_a_quiet_machine_and_one_thread_beside_a_
     assert clear[-300:].count(1) > 250
 
 
+def test_a_lucky_probe_beside_a_busy_neighbour_does_not_start_the_probing_over():
+    # Beside a busy neighbour a shared call runs at full speed or waits for a
+    # preempted worker. A probe that happened to run fast brings the budget
+    # back; its next call is slow again, and the probes must keep most of
+    # their backing off (half the wait), not start again from PROBE_MIN.
+    clock = _Clock()
+    ch = threads.Chooser(clock)
+    _run(ch, clock, {1: 1.0, 2: 0.75}, 100)
+    _run(ch, clock, {1: 1.0, 2: 90.0}, 3000)            # 30 s busy: the longest wait
+    assert ch.interval[2] == threads.Chooser.PROBE_MAX
+    lucky = _run(ch, clock, {1: 1.0, 2: 0.75}, 900)     # one probe in 9 s, at full speed
+    assert lucky[-1] == 2 and ch.interval[2] == threads.Chooser.PROBE_MAX / 2
+    after = _run(ch, clock, {1: 1.0, 2: 90.0}, 300)     # busy again for 3 s
+    assert after.count(2) == 1, after.count(2)          # the budget's one slow call, no new probes yet
+
+
 def test_an_explicit_budget_is_used_as_given_and_small_work_on_one_thread(monkeypatch):
     monkeypatch.setattr(threads, "_choosers", {})
     with threads.chosen_threads(threads.SMALL_WORK_BYTES - 1, "t") as n:
