@@ -92,15 +92,18 @@ def matmul_flops() -> float:
     return mf(quick=True)
 
 
-_BUSY = "import time\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
+_BUSY = "import time\nprint(flush=True)\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
 
 
 @contextlib.contextmanager
 def busy_neighbour():
     """Another process spinning on one core while inside (issue 17's
-    competing process), killed on the way out."""
-    busy = subprocess.Popen([sys.executable, "-c", _BUSY])
+    competing process), killed on the way out. Entered once it spins: a
+    best-of-N timing would otherwise keep a sample taken while the
+    interpreter was still starting (tens of ms)."""
+    busy = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE)
     try:
+        busy.stdout.readline()
         yield
     finally:
         busy.kill()
