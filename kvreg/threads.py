@@ -265,12 +265,9 @@ class Chooser:
             # threads come back at the first good probe
             self.cost[n] = c if old is None or probe else (1 - self.WEIGHT) * old + self.WEIGHT * c
             if probe:   # the count not chosen, tried again
-                # Twice the wait after a probe that lost, half after one that
-                # won: beside a busy neighbour a shared call either runs at
-                # full speed or waits for a preempted worker, and a lucky
-                # probe (the count comes back, its next call is slow) must
-                # not start the backing off over (it did: 1.1-1.35x the
-                # one-thread time in a simulation of that, 1.07-1.17x now).
+                # half the wait, not PROBE_MIN, after one that won: beside a
+                # busy neighbour a lucky probe brings the count back for one
+                # slow call and must not start the backing off over
                 iv = self.interval.get(n, self.PROBE_MIN)
                 slow = c > self.PROBE_SLACK * self.cost[other]
                 self.interval[n] = min(2 * iv, self.PROBE_MAX) if slow else max(iv / 2, self.PROBE_MIN)

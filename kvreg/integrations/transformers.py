@@ -507,17 +507,12 @@ class KvregCache(Cache):
             # float32 model's states are stored without another copy.
             k = key.detach().to(torch.float32)
             v = value.detach().to(torch.float32)
-            if bsz == 1 and _new_columns(mask, 0, q_len) is None:
-                # One unpadded sequence (a prefill): its answer is the output,
-                # without a zeroed [n, nh, hd] buffer and a copy into it (~2 ms
-                # of a 4k SmolLM2 layer's ~95).
-                res = self._attend_sequence(self._seqs[0].layers[layer_idx], q[0].numpy(), k[0].numpy(),
-                                            v[0].numpy(), scale, window)
-                return torch.from_numpy(res[None]).to(query.dtype), None
-            out = np.zeros((bsz, q_len, nh, hd), dtype=np.float32)
+            shape = (bsz, q_len, nh, hd)
             if q_len == 1 and bsz > 1:
+                out = np.zeros(shape, dtype=np.float32)
                 self._decode_batch(layer_idx, q, k, v, mask, scale, window, out)
                 return torch.from_numpy(out).to(query.dtype), None
+            out = None
             for b in range(bsz):
                 cols = _new_columns(mask, b, q_len)
                 qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b][:, cols], v[b][:, cols])
@@ -525,11 +520,18 @@ class KvregCache(Cache):
                     continue
                 res = self._attend_sequence(self._seqs[b].layers[layer_idx], qb.numpy(), kb.numpy(), vb.numpy(),
                                             scale, window)
+                if bsz == 1 and cols is None:
+                    # One unpadded sequence (a prefill): its answer is the
+                    # output, without a zeroed [n, nh, hd] buffer and a copy
+                    # into it (~2 ms of a 4k SmolLM2 layer's ~95).
+                    return torch.from_numpy(res[None]).to(query.dtype), None
+                if out is None:
+                    out = np.zeros(shape, dtype=np.float32)
                 if cols is None:
                     out[b] = res
                 else:
                     out[b, cols.numpy()] = res
-            return torch.from_numpy(out).to(query.dtype), None
+            return torch.from_numpy(np.zeros(shape, dtype=np.float32) if out is None else out).to(query.dtype), None
 
     def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window) -> np.ndarray:
         """Store ``n`` new rows of one sequence and attend its ``n`` queries
