@@ -502,10 +502,10 @@ def _wsum(typingctx, E, col, vb, nr, acc, vsc, vrow0):
 QK_SUB = 32
 #: K rows scored side by side in :func:`_qk`'s unrolled loop at hd 64 (one
 #: q load and one packed tree of lane sums for both rows). A decode of 1k
-#: rows at 9 / 3 heads (SmolLM2), one AMD Zen 4 core pair: 60-68 against
-#: 69-70 us (f32), 82 against 85-86 us (q8). At hd 128 it measured slower
-#: from the last-level cache (16 / 8 heads, 4k rows: 0.72-0.77 against
-#: 0.60-0.67 ms), so rows of more chunks go one at a time.
+#: rows at 9 / 3 heads (SmolLM2), two AMD Zen 4 cores: 60-68 against 68-71
+#: us (f32), 82-83 against 84-86 us (q8). At hd 128 the rows go one at a
+#: time: with 4 heads q takes every AVX-512 register and one core's scores
+#: slowed (11.8 to 13.1-13.5 ns a row), and no decode measured a gain.
 QK_STEP = 2
 QK_STEP_CHUNKS = 4
 #: Chunk counts with an unrolled score loop: hd 64 and 128, any 1-4 heads.
