@@ -608,12 +608,13 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
 @intrinsic
 def _qk(typingctx, q, E, col, kb, nr, scale):
     """``E[h, col + r] = scale * <q[h], kb[r]>`` for ``r < nr`` and the 1-4
-    heads of ``q [nh, hd]``, one K row at a time: each K chunk loaded once
-    for every head's accumulator, the heads' lane sums packed into one tree
+    heads of ``q [nh, hd]``, one K row at a time (two at hd 64,
+    :data:`QK_STEP`): each K chunk loaded once for every head's
+    accumulator, the heads' lane sums packed into one tree
     (:func:`_ir_tree_sums`). Every dot is :func:`_dot`'s fixed-order lane
     arithmetic, so the same bits as :func:`_scores`' loop. Measured on one
     AVX-512 core, 4 heads, hd 128: 16-20 / 18-30 ns a row (L2 / memory)
-    against 26-31 / 26-34 ns for a tree per dot; several rows
+    against 26-31 / 26-34 ns for a tree per dot; at hd 128 several rows
     per step (two or four row streams) measured slower from memory. ``q``
     and ``kb [nr, hd]`` (float32 or 2-byte rows) with contiguous rows."""
     if not (isinstance(q, types.Array) and isinstance(E, types.Array) and isinstance(kb, types.Array)
