@@ -32,7 +32,7 @@ DECODE_BLOCK = 2048
 #:   separate processes run in turn: one thread 21.3-22.9 / 21.2-22.1 at 4
 #:   KiB, 21.3-22.2 / 20.9-21.6 at 2 KiB, 19.6-20.3 at 1 KiB, 15.1-19.2 /
 #:   18.6-19.5 at 8 KiB, 17.2-18.3 at 16 KiB; two threads 30.5-35.3 / 32.9-34.4
-#:   at 4 KiB against 24.5-33.7 / 31.0-31.2 at 8 KiB. At 9/3 heads, hd 64,
+#:   at 4 KiB against 24.5-33.7 / 30.5-31.2 at 8 KiB. At 9/3 heads, hd 64,
 #:   64k rows: one thread 18.9-21.9 at 4 KiB against 14.7-19.8 at 8 KiB;
 #:   two 29.8-35.6 against 23.7-29.7;
 #: * an Intel Xeon with AVX-512 and AMX (LLVM: ``rocketlake``), GB/s at 16k /
