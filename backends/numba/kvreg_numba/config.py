@@ -22,19 +22,17 @@ DECODE_BLOCK = 2048
 
 #: Bytes ahead of the row being read that the decode passes prefetch
 #: (``llvm.prefetch``, every 64-byte line of the row; 0 = none), by the host
-#: CPU LLVM names. Measured on one core (32/8 heads, hd 128, F32):
+#: CPU LLVM names. Measured at 32/8 heads, hd 128, F32, on one core unless
+#: named:
 #:
 #: * AMD Zen 5 (stream-read probe 36-40 GB/s): 0.73 / 0.63 of the probe at
 #:   4k / 16k rows without, 0.81 / 0.76 at 4 KiB, 1.03-1.06 / 0.86-0.87 at
 #:   8 KiB, 1.03 / 0.78 at 16 KiB, 0.88 / 0.69 at 32 KiB;
-#: * AMD Zen 4 (LLVM: ``znver4``; 2 shared cores, stream-read probe 34-37
-#:   GB/s on two threads), GB/s at 16k / 64k rows from DRAM, 32/8 heads hd 128,
-#:   separate processes run in turn: one thread 21.3-22.9 / 21.2-22.1 at 4
-#:   KiB, 21.3-22.2 / 20.9-21.6 at 2 KiB, 19.6-20.3 at 1 KiB, 15.1-19.2 /
-#:   18.6-19.5 at 8 KiB, 17.2-18.3 at 16 KiB; two threads 30.5-35.3 / 32.9-34.4
-#:   at 4 KiB against 24.5-33.7 / 30.5-31.2 at 8 KiB. At 9/3 heads, hd 64,
-#:   64k rows: one thread 18.9-21.9 at 4 KiB against 14.7-19.8 at 8 KiB;
-#:   two 29.8-35.6 against 23.7-29.7;
+#: * AMD Zen 4 (``znver4``; probe 34-37 GB/s on two threads), GB/s at 16k /
+#:   64k rows: one thread 21.3-22.9 / 21.2-22.1 at 4 KiB against 15.1-19.2 /
+#:   18.6-19.5 at 8 KiB (2 KiB close behind 4, 1 and 16 KiB lower), two
+#:   threads 30.5-35.3 / 32.9-34.4 against 24.5-33.7 / 30.5-31.2; hd 64 the
+#:   same way (docs/figures.md, 2026-12-06);
 #: * an Intel Xeon with AVX-512 and AMX (LLVM: ``rocketlake``), GB/s at 16k /
 #:   64k rows (from DRAM; 4k rows stay in its last-level cache, 21-23 GB/s
 #:   whatever the distance): 11.1 / 11.1 without, 12.6 / 12.4 at 512 B, 12.7 /
