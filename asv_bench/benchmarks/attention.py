@@ -1,4 +1,5 @@
-"""Decode attention: ``attend_layer`` of one token, 32 Q / 8 KV heads, hd 128."""
+"""Decode attention: ``attend_layer`` of one token, 32 Q / 8 KV heads, hd 128
+(and Gemma 3's 4 Q / 1 KV heads, hd 256)."""
 
 from . import common
 
@@ -25,6 +26,19 @@ class AttendLayerDecode:
         return self.layer.memory_bytes() / t / 1e9 / common.stream_bandwidth()
 
     track_bandwidth_fraction.unit = "fraction of stream bandwidth"
+
+
+class AttendLayerDecodeHd256(AttendLayerDecode):
+    """:class:`AttendLayerDecode` at Gemma 3's geometry: 4 Q / 1 KV heads, hd
+    256 (its global layers; a sliding layer reads 512 rows). Its value pass
+    reads each row in slices, so it leans on the kernel's own prefetch hints."""
+
+    params = [common.backend_names(), [512, 4096, 32768]]
+
+    def setup(self, name, rows):
+        self.layer = common.layer(name, rows, nkv=1, hd=256)
+        self.q = common.queries(1, num_heads=4, hd=256)[0]
+        self.layer.attend_layer(self.q)
 
 
 class AttendLayerVsNumba:

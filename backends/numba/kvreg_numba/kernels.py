@@ -205,6 +205,22 @@ def _ir_fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
+def _prefetch_fn(builder):
+    """``llvm.prefetch`` declared in ``builder``'s module."""
+    i32 = ir.IntType(32)
+    return cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+
+
+def _ir_prefetch_l2(builder, ptr, offset):
+    """A prefetch hint into L2 (LLVM locality 2, ``prefetcht1`` on x86) for
+    the line at ``ptr`` plus ``offset`` bytes (an IR integer). Never faults,
+    changes no value."""
+    i32 = ir.IntType(32)
+    at = builder.gep(builder.bitcast(ptr, ir.IntType(8).as_pointer()), [offset])
+    builder.call(_prefetch_fn(builder), [at, ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
+
+
 def _ir_prefetch(builder, ptr, nbytes):
     """Prefetch hints for the ``nbytes`` (a Python int, or an IR integer)
     from ``ptr`` plus :data:`config.PREFETCH_BYTES`, one per 64-byte line.
@@ -214,8 +230,7 @@ def _ir_prefetch(builder, ptr, nbytes):
     i8p = ir.IntType(8).as_pointer()
     i32 = ir.IntType(32)
     i64 = ir.IntType(64)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                        "llvm.prefetch.p0")
+    fn = _prefetch_fn(builder)
     base = builder.gep(builder.bitcast(ptr, i8p), [ir.Constant(i64, config.PREFETCH_BYTES)])
     hint = [ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)]   # read, keep, data
     if isinstance(nbytes, int):
@@ -330,6 +345,14 @@ def _sum(typingctx, a):
 #: are 4 KiB, so a pass after the first over a sub-block reads L1 (8 rows
 #: measured faster from memory than 4, 16 or 32).
 WSUM_ROWS = 8
+#: Rows ahead of the one read that the hd-256 passes hint into L2, line by
+#: line (the windowed value pass, :func:`_ir_wsum`, and the 4-head score
+#: loop, :data:`QK_WIDE`): 8 KiB of float32 rows at hd 256. A burst of
+#: hints per row (:func:`_ir_prefetch`) did not keep up with rows of ~30 ns
+#: of arithmetic. One AMD Zen 4 core, 4 Q / 1 KV heads, rows from memory:
+#: the score loop read 24-26.5 GB/s 8 KiB ahead, 18-19 at 4 KiB, 24-25 at
+#: 16 KiB, 21 with the burst (docs/figures.md, 2026-12-06).
+HINT_ROWS = 8
 #: ``LANES``-wide chunks of channels a value pass holds for each of up to
 #: four heads in registers: 16 accumulators, half of AVX-512's 32 vector
 #: registers; elsewhere a 16-lane vector is two 256-bit registers, so 8 of
@@ -380,7 +403,16 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
     rounding as the scalar loop does) into a stack buffer, then one pass over
     the sub-block per window of :data:`WSUM_WINDOW` chunks, its heads x
     window accumulators in registers for every row, and the channels past
-    the last window one at a time."""
+    the last window one at a time.
+
+    Prefetch: an unrolled pass reads whole rows in order, so the hardware
+    prefetcher follows it (plus :func:`_ir_prefetch`'s hints per CPU). The
+    windows read a sub-block's rows once per window, a slice of each row at
+    a time, which no hardware prefetcher follows: each chunk that starts a
+    line hints the same chunk :data:`HINT_ROWS` rows ahead into L2, one hint
+    per few FMAs rather than a burst per row. hd 256, 4 Q / 1 KV heads, one
+    AMD Zen 4 core, rows from memory: the value pass alone read 9.4-9.7 GB/s
+    with the burst, 22.8 with these hints (hd 128's unrolled pass 20-28)."""
     f32 = ir.FloatType()
     vt = ir.VectorType(f32, LANES)
     intp = nr.type
@@ -390,6 +422,12 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
     nwin = builder.sdiv(hd, c(LANES * WSUM_WINDOW))
     hasvs = builder.icmp_signed(">", builder.extract_value(vsc.shape, 0), c(0))
     wbuf = cgutils.alloca_once(builder, f32, size=4 * WSUM_ROWS)
+    ahead = builder.mul(builder.extract_value(vb.strides, 0), c(HINT_ROWS))
+    # hd 64 / 128: unrolled; any other hd: windows, then the tail
+    exact = builder.icmp_signed("==", builder.srem(hd, c(LANES)), c(0))
+    chunks = builder.sdiv(hd, c(LANES))
+    built = [builder.and_(exact, builder.icmp_signed("==", chunks, c(k))) for k in WSUM_CHUNKS]
+    is_unrolled = functools.reduce(builder.or_, built)
     nsb = builder.sdiv(builder.add(nr, c(WSUM_ROWS - 1)), c(WSUM_ROWS))
     with cgutils.for_range(builder, nsb) as sbl:
         r0 = builder.mul(sbl.index, c(WSUM_ROWS))
@@ -397,7 +435,8 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
         m = builder.sub(builder.select(builder.icmp_signed("<", end, nr), end, nr), r0)
         with cgutils.for_range(builder, m) as rl:
             r = builder.add(r0, rl.index)
-            _ir_prefetch(builder, _elem_ptr(builder, vb, r, c(0), ir.IntType(8)), builder.mul(hd, c(_ESIZE[vkind])))
+            with builder.if_then(is_unrolled):
+                _ir_prefetch(builder, _elem_ptr(builder, vb, r, c(0), ir.IntType(8)), builder.mul(hd, c(_ESIZE[vkind])))
             for h in range(4):
                 with builder.if_then(builder.icmp_signed(">", nh, c(h))):
                     w = builder.load(_elem_ptr(builder, E, c(h), builder.add(col, r), f32))
@@ -409,9 +448,10 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
                         with plain:
                             builder.store(w, slot)
 
-        def one_pass(h0, nheads, d0, width):
+        def one_pass(h0, nheads, d0, width, hint_next=False):
             # heads [h0, h0 + nheads) x chunks [d0, d0 + width * LANES) in
-            # registers across the sub-block's rows
+            # registers across the sub-block's rows; `hint_next`: the same
+            # lines HINT_ROWS rows ahead into L2
             ptrs = [[_elem_ptr(builder, acc, builder.add(h0, c(h)), builder.add(d0, c(k * LANES)), vt)
                      for k in range(width)] for h in range(nheads)]
             accs = [[cgutils.alloca_once_value(builder, builder.load(p, align=4)) for p in row] for row in ptrs]
@@ -421,8 +461,10 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
                     for h in range(nheads)]
                 r = builder.add(r0, rl.index)
                 for k in range(width):
-                    raw = builder.load(_elem_ptr(builder, vb, r, builder.add(d0, c(k * LANES)), _raw_vector(vkind)),
-                                       align=1)
+                    at = _elem_ptr(builder, vb, r, builder.add(d0, c(k * LANES)), _raw_vector(vkind))
+                    if hint_next and k * LANES * _ESIZE[vkind] % 64 == 0:
+                        _ir_prefetch_l2(builder, at, ahead)
+                    raw = builder.load(at, align=1)
                     v = _ir_widen(builder, raw, vkind)
                     for h in range(nheads):
                         builder.store(_ir_fma(builder, ws[h], v, builder.load(accs[h][k])), accs[h][k])
@@ -432,7 +474,7 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
 
         def passes(nheads):
             with cgutils.for_range(builder, nwin) as wl:
-                one_pass(c(0), nheads, builder.mul(wl.index, c(LANES * WSUM_WINDOW)), WSUM_WINDOW)
+                one_pass(c(0), nheads, builder.mul(wl.index, c(LANES * WSUM_WINDOW)), WSUM_WINDOW, hint_next=True)
 
         def unrolled(nch):
             # every chunk of a row in one pass: rows read in order, once
@@ -451,14 +493,10 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
                 with builder.if_then(builder.icmp_signed("==", rest, c(n))):
                     group(builder.mul(full, c(per)), n)
 
-        # hd 64 / 128: unrolled; any other hd: windows, then the tail
-        exact = builder.icmp_signed("==", builder.srem(hd, c(LANES)), c(0))
-        chunks = builder.sdiv(hd, c(LANES))
-        built = [builder.and_(exact, builder.icmp_signed("==", chunks, c(k))) for k in WSUM_CHUNKS]
         for k, cond in zip(WSUM_CHUNKS, built):
             with builder.if_then(cond):
                 unrolled(k)
-        with builder.if_then(builder.not_(functools.reduce(builder.or_, built))):
+        with builder.if_then(builder.not_(is_unrolled)):
             _per_head_count(builder, nh, passes)
         # channels past the last window, one at a time
         with cgutils.for_range_slice(builder, builder.mul(nwin, c(LANES * WSUM_WINDOW)), hd, c(1)) as (d, _):
@@ -553,10 +591,12 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
     each K chunk loaded (and widened) once for every head. ``ksa``: q8
     codes' scales ``[nr, hd / K_GROUP]``, each chunk times its group's scale
     (one float32 multiply, as :func:`_dequant_k_rows` rounds it) before the
-    dots. The rows ahead are prefetched (:func:`_ir_prefetch`)."""
+    dots. The rows ahead are prefetched (:func:`_ir_prefetch`; at
+    :data:`QK_WIDE` chunks line by line, :data:`HINT_ROWS` rows ahead)."""
     f32 = ir.FloatType()
     vt = ir.VectorType(f32, LANES)
     c = lambda x: ir.Constant(nr.type, x)
+    ahead = builder.mul(builder.extract_value(kba.strides, 0), c(HINT_ROWS))
     # q's chunks loaded once per QK_SUB rows (kept in registers or spilled
     # to one stack slot: reloading them through q's strides every row
     # measured up to 1.4x slower)
@@ -574,14 +614,18 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
             # lane sums (the same additions of the same values as a tree
             # per row)
             for r in rs:
-                _ir_prefetch(builder, _elem_ptr(builder, kba, r, c(0), ir.IntType(8)), nch * LANES * _ESIZE[kkind])
+                if nch != QK_WIDE:
+                    _ir_prefetch(builder, _elem_ptr(builder, kba, r, c(0), ir.IntType(8)), nch * LANES * _ESIZE[kkind])
                 if ksa is not None:
                     _ir_prefetch(builder, _elem_ptr(builder, ksa, r, c(0), ir.IntType(8)), 4)
             accs = [[ir.Constant(vt, [0.0] * LANES)] * nheads for _ in rs]
             for k in range(nch):
                 kvs = []
                 for r in rs:
-                    raw = builder.load(_elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind)), align=1)
+                    at = _elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind))
+                    if nch == QK_WIDE and k * LANES * _ESIZE[kkind] % 64 == 0:
+                        _ir_prefetch_l2(builder, at, ahead)
+                    raw = builder.load(at, align=1)
                     kv = _ir_widen(builder, raw, kkind)
                     if ksa is not None:
                         s = builder.load(_elem_ptr(builder, ksa, r, c(k * LANES // K_GROUP), f32))
