@@ -553,6 +553,10 @@ QK_CHUNKS = (4, 8)
 #: thread, 4 heads, 576 / 4k / 16k rows: 40-43 us / 0.17 ms / 0.92-1.37 ms
 #: against 47-51 us / 0.19-0.23 ms / 1.22-1.37 ms for the per-row loop (three
 #: runs each). For every head count it compiled 18 s slower (three modes).
+#: q8 K rows of hd 256 are scored as stored here too when the heads come in
+#: fours (:func:`_qk8`): one thread, rows from memory, 4k / 32k rows: 386-410
+#: us / 2.16-2.20 ms against 524-759 us / 3.12-3.22 ms dequantized into a
+#: buffer first (two interleaved pairs).
 QK_WIDE = 16
 
 
@@ -727,7 +731,8 @@ def _qk8(typingctx, q, E, col, kq, ks, nr, scale):
     group's scale in registers, the very float32 values
     :func:`_dequant_k_rows` writes to its buffer, so the same bits as
     dequantizing and scoring the buffer. hd in ``LANES`` x
-    :data:`QK_CHUNKS` (64, 128), 1-4 heads; the caller checks both."""
+    :data:`QK_CHUNKS` (64, 128) with 1-4 heads, or ``LANES`` x
+    :data:`QK_WIDE` (256) with 4; the caller checks both."""
     if not (all(isinstance(a, types.Array) and a.ndim == 2 for a in (q, E, kq, ks))
             and q.dtype == E.dtype == ks.dtype == types.float32 and kq.dtype == types.int8
             and scale == types.float32):
@@ -744,6 +749,8 @@ def _qk8(typingctx, q, E, col, kq, ks, nr, scale):
             with builder.if_then(builder.icmp_signed("==", nch, c(k))):
                 _per_head_count(builder, nh, lambda n, k=k: _ir_qk_unrolled(builder, qa, Ea, col_, kqa, nr_, args[6],
                                                                            n, k, types.int8, ksa))
+        with builder.if_then(builder.and_(builder.icmp_signed("==", nch, c(QK_WIDE)), builder.icmp_signed("==", nh, c(4)))):
+            _ir_qk_unrolled(builder, qa, Ea, col_, kqa, nr_, args[6], 4, QK_WIDE, types.int8, ksa)
         return context.get_dummy_value()
 
     return types.void(q, E, col, kq, ks, nr, scale), codegen
@@ -1031,9 +1038,10 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     """Partial softmax state of rows ``[p0, p0+nr)`` of KV head ``g`` for the
     heads ``qg[row0 : row0+nheads]``. Unnormalized ``exp(s - m_block)`` land
     in ``E[h, :nr]`` (this block's own slab, kept for the importance pass). q8
-    K rows of hd 64 and 128 are scored as stored (:func:`_scores8`); of any
-    other hd dequantized ``SUB_ROWS`` at a time into ``kbuf`` (L1-sized) and
-    scored four heads per loaded row (the same bits); q8 V rows are read as int8 by
+    K rows of hd 64 and 128, and of hd 256 in fours of heads, are scored as
+    stored (:func:`_scores8`); of any other hd dequantized ``SUB_ROWS`` at a
+    time into ``kbuf`` (L1-sized) and scored four heads per loaded row (the
+    same bits); q8 V rows are read as int8 by
     :func:`_accumulate_q8` (``vbuf`` is unused, empty). Rows ``< xl`` are the
     head's exact rows: their float32 copies ``xk``/``xv`` (field space) stand
     in for the int8 ones. Rows ``>= wb`` of a q8 side are its float16 window
@@ -1041,7 +1049,8 @@ def _block_partial(qg, row0, nheads, kf, kq, ks, vf, vq, vs, kquant, vquant, g,
     widened in registers; the exact rows still take precedence. A head with
     no window passes ``wb >= n``."""
     hd = qg.shape[1]
-    if kquant and hd == ks.shape[2] * K_GROUP and hd % LANES == 0 and hd // LANES in QK_CHUNKS:
+    if kquant and hd == ks.shape[2] * K_GROUP and hd % LANES == 0 and (
+            hd // LANES in QK_CHUNKS or (hd // LANES == QK_WIDE and nheads % 4 == 0)):
         # in row order: exact rows [p0, xe), int8 [xe, we), float16 window
         # [we, p0 + nr); the int8 rows scored as stored (no buffer)
         end = p0 + nr

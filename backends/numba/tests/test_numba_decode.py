@@ -87,8 +87,9 @@ def test_grouped_equals_each_head_alone(small_blocks, mode):
 @pytest.mark.parametrize("hd", [64, 128, 256])
 def test_the_unrolled_head_dims_answer_the_oracle_and_each_head_alone(small_blocks, mode, hd):
     # four heads at hd 64 / 128 / 256 take the unrolled score passes (hd 256
-    # for four heads only) and, at 256, the windowed value pass; one head
-    # alone takes the per-row loop: the same bits, and the oracle's answer
+    # for four heads only; q8 K rows scored as stored there too) and, at 256,
+    # the windowed value pass; one head alone takes the per-row loop (q8 at
+    # 256: its rows dequantized first): the same bits, and the oracle's answer
     st, lens, k64, v64 = make_layer(mode, hd=hd)
     q = qs(4, hd)
     imp = np.zeros(53, np.float32)
