@@ -33,7 +33,7 @@ DECODE_BLOCK = 2048
 #:   / 18.6-19.5 at 8 KiB (2 KiB close behind 4, 1 and 16 KiB lower); then,
 #:   a session later, none at all read 20.4-27.5 / 25.4-27.0 against
 #:   21.4-22.2 / 21.4-21.9 at 4 KiB (hd 64: 25.4-28.0 against 21.8-23.1;
-#:   two threads up to 45-50 against 32-43). Its hardware prefetcher
+#:   two threads at best 45-52 against 35-43). Its hardware prefetcher
 #:   follows a row stream alone, and the hints only take its fill buffers
 #:   (docs/figures.md, 2026-12-06);
 #: * an Intel Xeon with AVX-512 and AMX (LLVM: ``rocketlake``), GB/s at 16k /
