@@ -12,7 +12,11 @@ on a device with correctly rounded fp32 division, else the reference's) and
 ``nystrom_step`` (float64; only on a device with fp64, else the reference's).
 Inherited from the NumPy reference: ``gather_rows`` (a host-side storage
 operation), ``nystrom_prefill`` and ``nystrom_absorb`` (once per seal / per
-row, float64 GEMMs and rank-1 updates NumPy already does well).
+row, float64 GEMMs and rank-1 updates NumPy already does well). On the host,
+in kvreg-numba's compiled kernels when that backend is installed (else
+NumPy's; ``config.HOST_KERNELS``, :meth:`OpenCLBackend.host_rows`):
+``rotate_rows``, ``store_window_row`` (a q8 decode append) and the small
+``quantize_rows``.
 
 Each layer storage gets a :class:`~kvreg_opencl.mirror.DeviceMirror` (held
 weakly, so a dropped layer frees its device memory) that is synced before
@@ -52,6 +56,23 @@ def _pocl_threads() -> None:
         os.environ["POCL_MAX_PTHREAD_COUNT"] = str(get_num_threads())
 
 
+_UNRESOLVED = object()
+
+
+def _host_backend(choice: str):
+    """``config.HOST_KERNELS``'s backend: "numba" = the registered numba
+    backend (None when it is not installed or cannot start: NumPy's then),
+    "numpy" = None."""
+    from kvreg.registry import backends, get_backend
+
+    if choice == "numpy" or "numba" not in backends():
+        return None
+    try:
+        return get_backend("numba", "cpu")
+    except BackendError:
+        return None
+
+
 class OpenCLBackend(ReferenceBackend):
     name = "opencl"
     priority = 10
@@ -66,6 +87,9 @@ class OpenCLBackend(ReferenceBackend):
     device_resident = True
 
     def __init__(self, device: str | None = None):
+        host = config.HOST_KERNELS
+        if host not in ("numba", "numpy"):
+            raise BackendError(f"kvreg_opencl.config.HOST_KERNELS is {host!r}; expected 'numba' or 'numpy'")
         _pocl_threads()
         self._dev = _device.get_device(device)
         super().__init__(self._dev.info.selector)
@@ -78,6 +102,7 @@ class OpenCLBackend(ReferenceBackend):
         except BackendError:
             self._native_quant = False
         self._rings = _bounded.RingMirrors(self._dev)
+        self._host_choice, self._host = host, _UNRESOLVED
         self._native_nystrom = False
         if self._dev.info.fp64 and config.NYSTROM_ON_DEVICE is not False:
             try:
@@ -92,7 +117,8 @@ class OpenCLBackend(ReferenceBackend):
         q = "" if self._native_quant else ", quantize_rows on the reference (no exact fp32 division)"
         ny = "" if self._native_nystrom else (
             ", nystrom_step on the reference (" + ("no fp64" if not i.fp64 else "config.NYSTROM_ON_DEVICE") + ")")
-        return f"opencl on {i.selector} {i.name} ({i.kind}, {i.platform}{q}{ny})"
+        host = "numba" if self.host_rows() is not None else "NumPy"
+        return f"opencl on {i.selector} {i.name} ({i.kind}, {i.platform}{q}{ny}; host rows in {host})"
 
     @classmethod
     def devices(cls) -> list[str]:
@@ -190,14 +216,36 @@ class OpenCLBackend(ReferenceBackend):
                                     scale=scale, window=window, imp=imp)
 
     def quantize_rows(self, x, col, *, group):
-        # The device's launch and read-back cost more than NumPy's quantize
+        # The device's launch and read-back cost more than a host quantize
         # of a few rows on the CPU the device runs on (a decode append on
-        # PoCL: 230 us against 40 us): those stay on the host. The exact
-        # class makes the choice invisible in the bits.
+        # PoCL: 230 us against 40 us in NumPy): those stay on the host. The
+        # exact class makes the choice invisible in the bits.
         small = self._dev.info.kind == "CPU" and np.shape(x)[0] < config.HOST_QUANT_ROWS
         if small or not self._native_quant:
-            return super().quantize_rows(x, col, group=group)
+            return (self.host_rows() or super()).quantize_rows(x, col, group=group)
         return kernels.quantize_rows(self._dev, x, col, group)
+
+    def rotate_rows(self, x):
+        return (self.host_rows() or super()).rotate_rows(x)
+
+    def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap):
+        host = self.host_rows()
+        return host is not None and host.store_window_row(
+            k, v, rot_k=rot_k, rot_v=rot_v, thk=thk, thv=thv, kq=kq, ks=ks, vq=vq, vs=vs, kf=kf, vf=vf, lens=lens,
+            b8=b8, imp=imp, seq=seq, exact_cap=exact_cap)
+
+    def host_rows(self):
+        """The backend whose compiled kernels do this backend's per-row host
+        work (``config.HOST_KERNELS``), or None for NumPy's: kvreg-numba's
+        when it is installed. A q8 decode append and a q8 attend's query and
+        output rotations run on the host (a PoCL launch alone costs ~35 us,
+        more than the whole append in compiled code); in NumPy they are a
+        few dozen small calls. Resolved at the first call (the numba
+        backend's kernels load in ~0.5 s)."""
+        host = self._host
+        if host is _UNRESOLVED:
+            host = self._host = _host_backend(self._host_choice)
+        return host
 
     def bounded_attend(self, q, ring, *, scale, num_heads):
         q32, scale = check_bounded_attend_args(q, ring, scale, num_heads)

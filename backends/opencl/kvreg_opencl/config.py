@@ -61,6 +61,17 @@ ATTEND_OPTIONS: tuple[str, ...] = ()
 #: quantize of a decode append's rows.
 HOST_QUANT_ROWS = 256
 
+#: Where the per-row host work runs: a q8 decode append (the new row
+#: rotated and checked, the window's oldest row quantized, the window
+#: moved), a q8 attend's query and output rotations, and the small
+#: quantizes above. "numba" = the kvreg-numba backend's compiled kernels
+#: when that backend is installed (``pip install kvreg-opencl[numba]``),
+#: NumPy's when not; "numpy" = NumPy's always. The same bits either way
+#: (exact class). A q8 decode append on PoCL (Zen 4, one 8x128 row of K
+#: and V): ~19 us in numba against ~110 us in NumPy, 15x against 85x a
+#: memcpy of the row (docs/opencl.md). Read when the backend is created.
+HOST_KERNELS = "numba"
+
 #: Build options of the quantize program (exact class: IEEE division).
 QUANT_OPTIONS: tuple[str, ...] = ("-cl-fp32-correctly-rounded-divide-sqrt",)
 

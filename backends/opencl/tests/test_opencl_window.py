@@ -158,3 +158,55 @@ def test_q4_still_takes_the_reference(dev):
     a = lay.backend.attend_layer(q, lay._st.view(), scale=0.2)
     assert a.tobytes() == REF.attend_layer(q, lay._st.view(), scale=0.2).tobytes()
     assert lay._st not in lay.backend._mirrors
+
+
+def host_backend(monkeypatch, choice):
+    """A fresh OpenCLBackend whose host rows run in ``choice``."""
+    from kvreg_opencl import config
+    from kvreg_opencl.backend import OpenCLBackend
+
+    monkeypatch.setattr(config, "HOST_KERNELS", choice)
+    return OpenCLBackend()
+
+
+def test_the_host_rows_follow_the_config(dev, monkeypatch):
+    from kvreg import registry
+    from kvreg.errors import BackendError
+
+    assert host_backend(monkeypatch, "numpy").host_rows() is None
+    be = host_backend(monkeypatch, "numba")
+    if "numba" in registry.backends():
+        assert be.host_rows().name == "numba" and "host rows in numba" in be.describe()
+    else:
+        assert be.host_rows() is None and "host rows in NumPy" in be.describe()
+    with pytest.raises(BackendError, match="HOST_KERNELS is 'cuda'; expected 'numba' or 'numpy'"):
+        host_backend(monkeypatch, "cuda")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_q8_appends_store_the_same_bits_with_host_rows_in_numba_and_in_numpy(dev, monkeypatch, mode):
+    """A q8 decode append on opencl runs in numba's kernels when kvreg-numba
+    is installed: the window's stores, the field freeze at row 64 and the
+    attention over them answer bit for bit what NumPy's host rows give."""
+    pytest.importorskip("kvreg_numba")
+    via_numpy = host_backend(monkeypatch, "numpy")
+    via_numba = host_backend(monkeypatch, "numba")
+    host = via_numba.host_rows()
+    steps = []
+    real = host.store_window_row
+    monkeypatch.setattr(host, "store_window_row", lambda *a, **kw: steps.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(5)
+    a = LayerKvCache(4, 64, mode, backend=via_numba)
+    b = LayerKvCache(4, 64, mode, backend=via_numpy)
+    for _ in range(100):
+        k, v = rows(rng, 4, 64)
+        a.append(k, v)
+        b.append(k, v)
+    assert len(steps) > 50   # numba's one call stored the rows past the window's first fill
+    for name in ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "thk", "thv", "lens", "b8"):
+        x, y = getattr(a._st, name), getattr(b._st, name)
+        assert (x is None) == (y is None), name
+        if x is not None:
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=name)
+    q = rng.standard_normal((8, 64)).astype(np.float32)
+    np.testing.assert_array_equal(a.attend_layer(q), b.attend_layer(q))
