@@ -208,7 +208,7 @@ def test_gather_rows_matches_numpy_indexing(backend, check):
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("hd", [2, 8, 64, 128, 256])
+@pytest.mark.parametrize("hd", [2, 4, 8, 16, 64, 128, 256])
 def test_rotate_rows_gives_the_walsh_hadamard_bits_of_the_reference(backend, check, hd):
     rows = rng_rows(41, 7, hd) * f32(3.0)
     rows[1, : min(hd, 6)] = f32([np.inf, -np.inf, np.nan, -0.0, 1e-45, 3e38][: min(hd, 6)])
