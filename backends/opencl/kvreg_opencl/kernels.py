@@ -249,8 +249,9 @@ def _attend_rows(
     probs = None
     if want_scores:
         one = one_item(dev)
-        programs.kernel(prg, "probs")(queue, (1 if one else sstride, nq, T), None, sc_buf, mz, nl_buf, fi_buf,
-                                      np.int32(ng), np.int32(hpk), np.int32(sstride))
+        if want_probs:   # else the importance kernel makes each probability as it adds it
+            programs.kernel(prg, "probs")(queue, (1 if one else sstride, nq, T), None, sc_buf, mz, nl_buf,
+                                          fi_buf, np.int32(ng), np.int32(hpk), np.int32(sstride))
         if imp is not None:
             hi = min(len(imp), int(nlim.max(initial=0)))
             if hi > 0:
@@ -259,7 +260,8 @@ def _attend_rows(
                 width = 8 if one else 1
                 programs.kernel(prg, "importance")(queue, (-(-hi // width),), None, ib, np.int32(hi), sc_buf,
                                                    nl_buf, fi_buf, np.int32(T), np.int32(ng), np.int32(hpk),
-                                                   np.int32(sstride), np.int32(width))
+                                                   np.int32(sstride), np.int32(width), mz,
+                                                   np.int32(not want_probs))
                 cl.enqueue_copy(queue, host, ib)
                 imp[:hi] = host
         if want_probs:

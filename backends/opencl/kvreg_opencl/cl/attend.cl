@@ -531,18 +531,33 @@ __kernel void probs(__global float *scores, __global const float *mz,
  * per-head loop, so per-head and grouped calls accumulate the same bits.
  * Work-item i takes the rows [w*i, w*i + w), w = `width` (1, or 8 on a CPU:
  * eight rows side by side in a float8, each with its own additions in the
- * same order; a row outside a head's span keeps its sum, not + 0). */
+ * same order; a row outside a head's span keeps its sum, not + 0).
+ * `normalize`: `prob` holds the capped scores still, and each probability
+ * is made here as `probs` makes it (exp(s - m) / z with the head's m and z
+ * from `mz`; eight rows a vector exp on a CPU, as there): the same bits,
+ * without a launch of `probs` and its pass over the scores. */
 __kernel void importance(__global float *imp, const int imp_len,
                          __global const float *prob,
                          __global const int *nlim, __global const int *firsts,
                          const int T, const int ng, const int hpk, const int sstride,
-                         const int width)
+                         const int width, __global const float *mz, const int normalize)
 {
     const int p0 = get_global_id(0) * width;
     if (p0 >= imp_len) return;
     const int nq = ng * hpk;
-    if (width == 8 && p0 + 8 <= imp_len) {
-        float8 acc = KVREG_LD8G(0, imp + p0);
+    if (width == 8) {
+        /* the last item's lanes past imp_len add nothing and are not
+         * stored (they still take the vector exp: a scalar one can differ
+         * from it in the last bit) */
+        const int full = p0 + 8 <= imp_len;
+        float tail[8];
+        float8 acc;
+        if (full) {
+            acc = KVREG_LD8G(0, imp + p0);
+        } else {
+            for (int j = 0; j < 8; ++j) tail[j] = (p0 + j < imp_len) ? imp[p0 + j] : 0.0f;
+            acc = vload8(0, tail);
+        }
         const int8 pv = (int8)(p0) + (int8)(0, 1, 2, 3, 4, 5, 6, 7);
         for (int t = 0; t < T; ++t) {
             for (int qh = 0; qh < nq; ++qh) {
@@ -552,7 +567,8 @@ __kernel void importance(__global float *imp, const int imp_len,
                 /* columns p - f of this head's row: one load when all eight
                  * rows are in [f, n), else lane by lane (0 outside); lanes
                  * outside [f, n) keep their sum */
-                const size_t base = ((size_t)t * nq + qh) * sstride;
+                const size_t o = (size_t)t * nq + qh;
+                const size_t base = o * sstride;
                 float8 x;
                 if (p0 >= f && p0 + 8 <= n) {
                     x = KVREG_LD8G(0, prob + base + (p0 - f));
@@ -562,11 +578,17 @@ __kernel void importance(__global float *imp, const int imp_len,
                         xs[j] = (p0 + j >= f && p0 + j < n) ? prob[base + (p0 + j - f)] : 0.0f;
                     x = vload8(0, xs);
                 }
+                if (normalize) x = exp(x - mz[2 * o]) / mz[2 * o + 1];
                 const int8 in = (pv >= (int8)(f)) & (pv < (int8)(n));
                 acc = in ? acc + x : acc;
             }
         }
-        KVREG_ST8G(acc, 0, imp + p0);
+        if (full) {
+            KVREG_ST8G(acc, 0, imp + p0);
+        } else {
+            vstore8(acc, 0, tail);
+            for (int j = 0; j < 8 && p0 + j < imp_len; ++j) imp[p0 + j] = tail[j];
+        }
         return;
     }
     for (int p = p0; p < min(p0 + width, imp_len); ++p) {
@@ -576,7 +598,9 @@ __kernel void importance(__global float *imp, const int imp_len,
                 const int gl = qh / hpk;
                 const int f = firsts[t * ng + gl];
                 if (p < f || p >= nlim[t * ng + gl]) continue;
-                acc += prob[((size_t)t * nq + qh) * sstride + (p - f)];
+                const size_t o = (size_t)t * nq + qh;
+                const float x = prob[o * sstride + (p - f)];
+                acc += normalize ? exp(x - mz[2 * o]) / mz[2 * o + 1] : x;
             }
         }
         imp[p] = acc;
