@@ -600,7 +600,8 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
     f32 = ir.FloatType()
     vt = ir.VectorType(f32, LANES)
     c = lambda x: ir.Constant(nr.type, x)
-    ahead = builder.mul(builder.extract_value(kba.strides, 0), c(HINT_ROWS))
+    wide = nch == QK_WIDE   # line hints HINT_ROWS rows ahead, not a burst per row
+    ahead = builder.mul(builder.extract_value(kba.strides, 0), c(HINT_ROWS)) if wide else None
     # q's chunks loaded once per QK_SUB rows (kept in registers or spilled
     # to one stack slot: reloading them through q's strides every row
     # measured up to 1.4x slower)
@@ -618,7 +619,7 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
             # lane sums (the same additions of the same values as a tree
             # per row)
             for r in rs:
-                if nch != QK_WIDE:
+                if not wide:
                     _ir_prefetch(builder, _elem_ptr(builder, kba, r, c(0), ir.IntType(8)), nch * LANES * _ESIZE[kkind])
                 if ksa is not None:
                     _ir_prefetch(builder, _elem_ptr(builder, ksa, r, c(0), ir.IntType(8)), 4)
@@ -627,7 +628,7 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
                 kvs = []
                 for r in rs:
                     at = _elem_ptr(builder, kba, r, c(k * LANES), _raw_vector(kkind))
-                    if nch == QK_WIDE and k * LANES * _ESIZE[kkind] % 64 == 0:
+                    if wide and k * LANES * _ESIZE[kkind] % 64 == 0:
                         _ir_prefetch_l2(builder, at, ahead)
                     raw = builder.load(at, align=1)
                     kv = _ir_widen(builder, raw, kkind)
