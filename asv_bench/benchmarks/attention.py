@@ -6,24 +6,26 @@ from . import common
 
 class AttendLayerDecode:
     """One decode step of one layer over ``rows`` stored rows (importance
-    accumulated, as an engine running Born eviction does)."""
+    accumulated, as an engine running Born eviction does), the layer read
+    from memory as in a model (copies taken in turn: ``common.cold_layers``)."""
 
     params = [common.backend_names(), [1024, 4096, 16384, 65536]]
     param_names = ["backend", "rows"]
 
     def setup(self, name, rows):
-        self.layer = common.layer(name, rows)
+        self.layers = common.cold_layers(name, rows)
         self.q = common.queries(1)[0]
-        self.layer.attend_layer(self.q)   # JIT compile / device upload outside the timing
+        for layer in self.layers.items:   # JIT compile / device upload outside the timing
+            layer.attend_layer(self.q)
 
     def time_attend_layer(self, name, rows):
-        self.layer.attend_layer(self.q)
+        self.layers.next().attend_layer(self.q)
 
     def track_bandwidth_fraction(self, name, rows):
         """Bytes of K and V read per second over the machine's streaming-read
         bandwidth, measured in the same process (1.0 = memory-bound optimum)."""
-        t = common.best_time(lambda: self.layer.attend_layer(self.q))
-        return self.layer.memory_bytes() / t / 1e9 / common.stream_bandwidth()
+        t = common.best_time(lambda: self.layers.next().attend_layer(self.q))
+        return self.layers.items[0].memory_bytes() / t / 1e9 / common.stream_bandwidth()
 
     track_bandwidth_fraction.unit = "fraction of stream bandwidth"
 
@@ -36,9 +38,10 @@ class AttendLayerDecodeHd256(AttendLayerDecode):
     params = [common.backend_names(), [512, 4096, 32768]]
 
     def setup(self, name, rows):
-        self.layer = common.layer(name, rows, nkv=1, hd=256)
+        self.layers = common.cold_layers(name, rows, nkv=1, hd=256)
         self.q = common.queries(1, num_heads=4, hd=256)[0]
-        self.layer.attend_layer(self.q)
+        for layer in self.layers.items:
+            layer.attend_layer(self.q)
 
 
 class AttendLayerVsNumba:
@@ -51,15 +54,14 @@ class AttendLayerVsNumba:
     def setup(self, name, rows):
         if name == "numba" or "numba" not in common.backend_names():
             raise NotImplementedError("compared against numba")
-        self.layer = common.layer(name, rows)
-        self.numba = common.layer("numba", rows)
         self.q = common.queries(1)[0]
-        self.layer.attend_layer(self.q)
-        self.numba.attend_layer(self.q)
+        self.layers, self.numba = common.cold_layers(name, rows), common.cold_layers("numba", rows)
+        for layer in self.layers.items + self.numba.items:
+            layer.attend_layer(self.q)
 
     def track_throughput_vs_numba(self, name, rows):
-        t = common.best_time(lambda: self.layer.attend_layer(self.q))
-        tn = common.best_time(lambda: self.numba.attend_layer(self.q))
+        t = common.best_time(lambda: self.layers.next().attend_layer(self.q))
+        tn = common.best_time(lambda: self.numba.next().attend_layer(self.q))
         return tn / t
 
     track_throughput_vs_numba.unit = "x numba's throughput"

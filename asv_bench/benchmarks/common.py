@@ -48,8 +48,16 @@ def layer(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, se
     return _layer(name, rows, str(mode), nkv, hd, seed)
 
 
-@functools.lru_cache(maxsize=2)
-def _layer(name, rows, mode, nkv, hd, seed):
+def cold_layers(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM):
+    """Copies of :func:`layer` taken in turn (``kvreg_tools.bench.ColdRing``:
+    ``.next()``), past twice the last-level cache: each decode reads its
+    layer from memory, as in a model. Not cached."""
+    from kvreg_tools.bench import ColdRing
+
+    return ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes())
+
+
+def _new_layer(name, rows, mode, nkv, hd, seed):
     from kvreg.errors import KvregError
     from kvreg.testing.fill import filled_layer
 
@@ -58,6 +66,9 @@ def _layer(name, rows, mode, nkv, hd, seed):
         return filled_layer(rows, nkv, hd, mode=mode, backend=be, seed=seed)
     except (KvregError, NotImplementedError) as exc:
         raise NotImplementedError(f"{name}: {exc}") from None
+
+
+_layer = functools.lru_cache(maxsize=2)(_new_layer)
 
 
 @functools.lru_cache(maxsize=8)

@@ -36,6 +36,20 @@ def test_time_call_stops_at_max_time():
     assert len(calls) == 1
 
 
+def test_cold_ring_spans_twice_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 100)
+    made = []
+    ring = bench.ColdRing(lambda: made.append(len(made)) or len(made) - 1, lambda item: 30)
+    assert len(ring.items) == len(made) == 7   # 7 x 30 bytes >= twice 100
+    assert [ring.next() for _ in range(8)] == [1, 2, 3, 4, 5, 6, 0, 1]
+    assert len(bench.ColdRing(lambda: 0, lambda item: 30, max_copies=3).items) == 3
+    assert len(bench.ColdRing(lambda: 0, lambda item: 10**9).items) == 1
+
+
+def test_last_level_cache_is_a_positive_size():
+    assert bench.last_level_cache_bytes() >= 1 << 10
+
+
 def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):
     out = tmp_path / "b.json"
     args = argparse.Namespace(what="all", backend=["reference"], quick=True, json=str(out), plot=None,
@@ -46,6 +60,7 @@ def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):
         assert part in text
     res = json.loads(out.read_text())
     assert {d["rows"] for d in res["decode"] if d["backend"] == "reference"} == set(bench.TINY.decode_rows)
+    assert {d["copies"] for d in res["decode"]} == {bench.TINY.cold_copies}
     for key in ("decode", "q8", "prefill", "append", "wire"):
         assert res[key], key
     assert res["machine"]["stream_read_gbps"] > 0 and res["machine"]["bandwidth_source"]
