@@ -163,7 +163,9 @@ def _rows_label(n: int) -> str:
 
 def _backends(names) -> tuple[list, list]:
     """(started backends, [(name, why)] that could not start). The reference
-    always runs: it is the peer every other backend is read against."""
+    always runs: it is the peer every other backend is read against.
+    ``KVREG_DEVICE`` goes to the backends that take devices; the CPU-only
+    ones run beside them on the CPU."""
     from kvreg import registry
     from kvreg.errors import BackendError
 
@@ -171,8 +173,9 @@ def _backends(names) -> tuple[list, list]:
     wanted = list(found) if not names else list(dict.fromkeys(["reference", *names]))
     started, failed = [], []
     for name in wanted:
+        cpu_only = name in found and not registry.takes_devices(found[name])
         try:
-            started.append(registry.get_backend(name))
+            started.append(registry.get_backend(name, "cpu" if cpu_only else None))
         except BackendError as exc:
             failed.append((name, str(exc)))
     for name, err in registry.load_errors().items():

@@ -80,6 +80,12 @@ def test_bench_plot(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_a_device_for_opencl_leaves_the_cpu_backends_measured(monkeypatch):
+    monkeypatch.setenv("KVREG_DEVICE", "gpu")
+    started, failed = bench._backends(["reference"])
+    assert [b.name for b in started] == ["reference"] and not failed
+
+
 def test_unknown_backend_is_reported_not_fatal():
     res = bench.run("decode", ["no-such-backend"], bench.TINY, progress=False)
     assert any(u["backend"] == "no-such-backend" for u in res["unavailable"])
