@@ -48,13 +48,14 @@ def layer(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, se
     return _layer(name, rows, str(mode), nkv, hd, seed)
 
 
-def cold_layers(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM):
+def cold_layers(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, max_copies=16):
     """Copies of :func:`layer` taken in turn (``kvreg_tools.bench.ColdRing``:
-    ``.next()``), past twice the last-level cache: each decode reads its
-    layer from memory, as in a model. Not cached."""
+    ``.next()``), past twice the last-level cache (at most ``max_copies``):
+    each decode reads its layer from memory, as in a model. Not cached."""
     from kvreg_tools.bench import ColdRing
 
-    return ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes())
+    return ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes(),
+                    max_copies=max_copies)
 
 
 def _new_layer(name, rows, mode, nkv, hd, seed):
