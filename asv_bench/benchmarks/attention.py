@@ -13,10 +13,8 @@ class AttendLayerDecode:
     param_names = ["backend", "rows"]
 
     def setup(self, name, rows):
-        self.layers = common.cold_layers(name, rows)
         self.q = common.queries(1)[0]
-        for layer in self.layers.items:   # JIT compile / device upload outside the timing
-            layer.attend_layer(self.q)
+        self.layers = common.cold_layers(name, rows, self.q)   # compiled / uploaded outside the timing
 
     def time_attend_layer(self, name, rows):
         self.layers.next().attend_layer(self.q)
@@ -38,10 +36,8 @@ class AttendLayerDecodeHd256(AttendLayerDecode):
     params = [common.backend_names(), [512, 4096, 32768]]
 
     def setup(self, name, rows):
-        self.layers = common.cold_layers(name, rows, nkv=1, hd=256)
         self.q = common.queries(1, num_heads=4, hd=256)[0]
-        for layer in self.layers.items:
-            layer.attend_layer(self.q)
+        self.layers = common.cold_layers(name, rows, self.q, nkv=1, hd=256)
 
 
 class AttendLayerVsNumba:
@@ -55,9 +51,7 @@ class AttendLayerVsNumba:
         if name == "numba" or "numba" not in common.backend_names():
             raise NotImplementedError("compared against numba")
         self.q = common.queries(1)[0]
-        self.layers, self.numba = common.cold_layers(name, rows), common.cold_layers("numba", rows)
-        for layer in self.layers.items + self.numba.items:
-            layer.attend_layer(self.q)
+        self.layers, self.numba = common.cold_layers(name, rows, self.q), common.cold_layers("numba", rows, self.q)
 
     def track_throughput_vs_numba(self, name, rows):
         t = common.best_time(lambda: self.layers.next().attend_layer(self.q))

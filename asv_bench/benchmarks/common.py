@@ -48,14 +48,18 @@ def layer(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, se
     return _layer(name, rows, str(mode), nkv, hd, seed)
 
 
-def cold_layers(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, max_copies=16):
+def cold_layers(name: str, rows: int, q, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, max_copies=16):
     """Copies of :func:`layer` taken in turn (``kvreg_tools.bench.ColdRing``:
     ``.next()``), past twice the last-level cache (at most ``max_copies``):
-    each decode reads its layer from memory, as in a model. Not cached."""
+    each decode reads its layer from memory, as in a model. Each copy has
+    attended ``q`` once (JIT compile, device upload). Not cached."""
     from kvreg_tools.bench import ColdRing
 
-    return ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes(),
+    ring = ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes(),
                     max_copies=max_copies)
+    for lay in ring.items:
+        lay.attend_layer(q)
+    return ring
 
 
 def _new_layer(name, rows, mode, nkv, hd, seed):

@@ -27,9 +27,10 @@ class SmallModelDecodeCall:
     LAYERS = 30
 
     def setup(self, name):
-        self.layers = common.cold_layers(name, 1024, nkv=SMALL["nkv"], hd=SMALL["hd"], max_copies=self.LAYERS)
         rng = np.random.default_rng(5)
         self.q = rng.standard_normal((SMALL["nh"], SMALL["hd"])).astype(np.float32)
+        self.layers = common.cold_layers(name, 1024, self.q, nkv=SMALL["nkv"], hd=SMALL["hd"],
+                                         max_copies=self.LAYERS)
         self.kv = rng.standard_normal((SMALL["nkv"], SMALL["hd"])).astype(np.float32)
         self.steps = {id(lay): lay.decode_step(SMALL["nh"]) for lay in self.layers.items}
         for _ in self.layers.items:

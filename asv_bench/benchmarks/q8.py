@@ -47,10 +47,8 @@ class Q8Decode:
     param_names = ["backend", "rows"]
 
     def setup(self, name, rows):
-        self.layers = common.cold_layers(name, rows, mode="q8")
         self.q = common.queries(1)[0]
-        for layer in self.layers.items:
-            layer.attend_layer(self.q)
+        self.layers = common.cold_layers(name, rows, self.q, mode="q8")
 
     def time_attend_layer_q8(self, name, rows):
         self.layers.next().attend_layer(self.q)
@@ -59,9 +57,7 @@ class Q8Decode:
         """Decode time of the q8 layer over the F32 layer's, same process,
         both read from memory (``common.cold_layers``; below 1: q8 reads
         ~3.7x fewer bytes and it shows)."""
-        f32 = common.cold_layers(name, rows, mode="f32")
-        for layer in f32.items:
-            layer.attend_layer(self.q)
+        f32 = common.cold_layers(name, rows, self.q, mode="f32")
         tq = common.best_time(lambda: self.layers.next().attend_layer(self.q))
         tf = common.best_time(lambda: f32.next().attend_layer(self.q))
         return tq / tf

@@ -214,8 +214,8 @@ class ColdRing:
     in turn, enough of them to span twice the last-level cache: each use
     then reads its rows from memory, as a model's decode reads each layer's
     cache once a token with every other layer's in between. Timing one
-    layer over and over instead keeps a 4k-row layer (32 MiB of F32) half in
-    a 32 MiB L3 and reads "faster than memory"."""
+    layer over and over instead can keep part of a 4k-row layer (32 MiB of
+    F32) in a 32 MiB L3, a read "faster than memory"."""
 
     def __init__(self, make, nbytes, *, max_copies: int = 16):
         self.items = [make()]
@@ -243,8 +243,8 @@ def _decode(res, backends, sz, bw, prog):
     q = np.random.default_rng(1).standard_normal((nh, hd), dtype=np.float32)
 
     def layers(be, rows, mode):
-        ring = ColdRing(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be), lambda lay: lay.memory_bytes(),
-                        max_copies=sz.cold_copies)
+        ring = ColdRing(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be),
+                        lambda lay: lay.memory_bytes(), max_copies=sz.cold_copies)
         for lay in ring.items:   # JIT compile / device upload outside the timing
             lay.attend_layer(q)
         return ring
@@ -257,8 +257,8 @@ def _decode(res, backends, sz, bw, prog):
             t = timeit(lambda: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             f32_seconds[(be.name, rows)] = t
-            res["decode"].append(dict(backend=be.name, kv="f32", rows=rows, seconds=t, bytes=nbytes, copies=len(ring.items),
-                                      gbps=nbytes / t / 1e9, fraction=nbytes / t / 1e9 / bw))
+            res["decode"].append(dict(backend=be.name, kv="f32", rows=rows, seconds=t, bytes=nbytes,
+                                      copies=len(ring.items), gbps=nbytes / t / 1e9, fraction=nbytes / t / 1e9 / bw))
             del ring
     torch, sdpa = _torch_sdpa()
     if torch is None:
@@ -272,8 +272,8 @@ def _decode(res, backends, sz, bw, prog):
             prog.step(f"decode torch-sdpa {_rows_label(rows)} rows")
             k, v = kv_rows(rows, nkv, hd)
             nbytes = 2 * rows * nkv * hd * 4
-            ring = ColdRing(lambda: (torch.from_numpy(np.array(k)).unsqueeze(0), torch.from_numpy(np.array(v)).unsqueeze(0)),
-                            lambda kv: nbytes, max_copies=sz.cold_copies)
+            copy = lambda a: torch.from_numpy(np.array(a)).unsqueeze(0)  # noqa: E731
+            ring = ColdRing(lambda: (copy(k), copy(v)), lambda kv: nbytes, max_copies=sz.cold_copies)
             try:
                 with torch.no_grad():
                     sdpa(tq, *ring.items[0], enable_gqa=True)
