@@ -22,8 +22,8 @@ class AttendLayerDecode:
     def track_bandwidth_fraction(self, name, rows):
         """Bytes of K and V read per second over the machine's streaming-read
         bandwidth, measured in the same process (1.0 = memory-bound optimum)."""
-        t = common.best_time(lambda: self.layers.next().attend_layer(self.q))
-        return self.layers.items[0].memory_bytes() / t / 1e9 / common.stream_bandwidth()
+        t, bw = common.beside_probe(lambda: common.best_time(lambda: self.layers.next().attend_layer(self.q)))
+        return self.layers.items[0].memory_bytes() / t / 1e9 / bw
 
     track_bandwidth_fraction.unit = "fraction of stream bandwidth"
 

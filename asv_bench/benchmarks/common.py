@@ -92,12 +92,14 @@ def best_time(fn, *, min_time: float = 0.05, repeats: int = 3) -> float:
     return time_call(fn, min_time=min_time, repeats=repeats)
 
 
-@functools.lru_cache(maxsize=1)
-def stream_bandwidth() -> float:
-    """The machine's streaming-read bandwidth (GB/s), measured once per process."""
-    from kvreg_tools.bench import stream_read_bandwidth
+def beside_probe(measure) -> tuple[float, float]:
+    """``(measure(), GB/s)``: the machine's streaming-read probe run right
+    before and after ``measure`` and averaged (``kvreg_tools.bench.
+    time_beside_probe``: on a shared machine the probe moves with the
+    neighbours within minutes)."""
+    from kvreg_tools.bench import QUICK, time_beside_probe
 
-    return stream_read_bandwidth(quick=True)[0]
+    return time_beside_probe(lambda fn: fn(), measure, QUICK.bandwidth_bytes)
 
 
 @functools.lru_cache(maxsize=1)

@@ -59,16 +59,22 @@ class SmallModelDecodeCall:
         # rows), then the rows dropped outside the clock: the truncation is
         # the benchmark's, not the call's
         layers = self.layers.items
-        n, best = 2 * len(layers), float("inf")
-        for _ in range(15):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                call()
-            best = min(best, (time.perf_counter() - t0) / n)
-            for lay in layers:
-                lay.truncate_last(2)
+        n = 2 * len(layers)
+
+        def measure():
+            best = float("inf")
+            for _ in range(15):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                best = min(best, (time.perf_counter() - t0) / n)
+                for lay in layers:
+                    lay.truncate_last(2)
+            return best
+
+        best, bw = common.beside_probe(measure)
         rows_bytes = layers[0].memory_bytes() * (1024 + 1.5) / 1024   # the calls' mean rows
-        return best / (rows_bytes / (common.stream_bandwidth() * 1e9) + 10e-6)
+        return best / (rows_bytes / (bw * 1e9) + 10e-6)
 
     def track_vs_bytes_plus_10us(self, name):
         return self._vs_bytes_plus_10us(self.two_calls)

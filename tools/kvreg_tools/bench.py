@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Sizes", "FULL", "QUICK", "TINY", "time_call", "stream_read_bandwidth", "matmul_flops",
-           "last_level_cache_bytes", "ColdRing", "run", "format_report", "plot_decode", "main"]
+           "time_beside_probe", "last_level_cache_bytes", "ColdRing", "run", "format_report", "plot_decode", "main"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,18 @@ def stream_read_bandwidth(nbytes: int | None = None, *, quick: bool = False) -> 
     a @ x
     t = time_call(lambda: a @ x, min_time=0.0, repeats=5, max_time=2.0)
     return a.nbytes / t / 1e9, f"numpy sgemv fallback ({why})"
+
+
+def time_beside_probe(timeit, fn, nbytes: int) -> tuple[float, float]:
+    """``(timeit(fn), GB/s)``: the stream probe (:func:`stream_read_bandwidth`
+    of ``nbytes``) run right before and right after the timing, averaged. On
+    a shared machine the probe moves with the neighbours (30-36 GB/s beside
+    them, 55-58 when they paused, minutes apart on this repository's Zen
+    4), so a fraction of bandwidth compares a call with the probe around it,
+    not with one taken at the start of the run."""
+    before = stream_read_bandwidth(nbytes)[0]
+    t = timeit(fn)
+    return t, (before + stream_read_bandwidth(nbytes)[0]) / 2
 
 
 def matmul_flops(n: int | None = None, *, quick: bool = False) -> float:
@@ -234,13 +246,17 @@ def _timer(sz: Sizes):
     return lambda fn: time_call(fn, min_time=sz.min_time, repeats=sz.repeats, max_time=sz.max_time)
 
 
-def _decode(res, backends, sz, bw, prog):
-    """Decode and q8 figures, each layer timed cold (:class:`ColdRing`)."""
+def _decode(res, backends, sz, prog):
+    """Decode and q8 figures, each layer timed cold (:class:`ColdRing`) and
+    read against the probe around it (:func:`time_beside_probe`)."""
     from kvreg.testing.fill import filled_layer
 
     timeit = _timer(sz)
     nh, nkv, hd = sz.num_heads, sz.num_kv_heads, sz.head_dim
     q = np.random.default_rng(1).standard_normal((nh, hd), dtype=np.float32)
+
+    def probed(fn):
+        return time_beside_probe(timeit, fn, sz.bandwidth_bytes)
 
     def layers(be, rows, mode):
         ring = ColdRing(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be),
@@ -254,11 +270,12 @@ def _decode(res, backends, sz, bw, prog):
         for rows in sz.decode_rows:
             prog.step(f"decode {be.name} {_rows_label(rows)} rows")
             ring = layers(be, rows, "f32")
-            t = timeit(lambda: ring.next().attend_layer(q))
+            t, bw = probed(lambda: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             f32_seconds[(be.name, rows)] = t
             res["decode"].append(dict(backend=be.name, kv="f32", rows=rows, seconds=t, bytes=nbytes,
-                                      copies=len(ring.items), gbps=nbytes / t / 1e9, fraction=nbytes / t / 1e9 / bw))
+                                      copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
+                                      fraction=nbytes / t / 1e9 / bw))
             del ring
     torch, sdpa = _torch_sdpa()
     if torch is None:
@@ -277,18 +294,19 @@ def _decode(res, backends, sz, bw, prog):
             try:
                 with torch.no_grad():
                     sdpa(tq, *ring.items[0], enable_gqa=True)
-                    t = timeit(lambda: sdpa(tq, *ring.next(), enable_gqa=True))
+                    t, bw = probed(lambda: sdpa(tq, *ring.next(), enable_gqa=True))
             except Exception as exc:  # an older torch without enable_gqa
                 res["peers"]["torch-sdpa"] = f"torch {torch.__version__}: SDPA failed: {exc}"
                 break
             res["decode"].append(dict(backend="torch-sdpa", kv="f32", rows=rows, seconds=t, bytes=nbytes,
-                                      copies=len(ring.items), gbps=nbytes / t / 1e9, fraction=nbytes / t / 1e9 / bw))
+                                      copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
+                                      fraction=nbytes / t / 1e9 / bw))
             del ring
     for be in backends:
         for rows in sz.q8_rows:
             prog.step(f"q8 decode {be.name} {_rows_label(rows)} rows")
             ring = layers(be, rows, "q8")
-            tq = timeit(lambda: ring.next().attend_layer(q))
+            tq, bw = probed(lambda: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             del ring
             tf = f32_seconds.get((be.name, rows))
@@ -297,7 +315,7 @@ def _decode(res, backends, sz, bw, prog):
                 tf = timeit(lambda: ring.next().attend_layer(q))
                 del ring
             res["q8"].append(dict(backend=be.name, rows=rows, q8_seconds=tq, f32_seconds=tf, ratio=tq / tf,
-                                  q8_gbps=nbytes / tq / 1e9, q8_fraction=nbytes / tq / 1e9 / bw))
+                                  probe_gbps=bw, q8_gbps=nbytes / tq / 1e9, q8_fraction=nbytes / tq / 1e9 / bw))
 
 
 def _prefill(res, backends, sz, peak, prog):
@@ -387,7 +405,7 @@ def run(what: str = "all", backend_names=None, sizes: Sizes = FULL, *, progress:
                               matmul_n=sizes.matmul_n, llc_bytes=last_level_cache_bytes(),
                               cpu_count=os.cpu_count(), numpy=np.__version__,
                               python=platform.python_version(), platform=platform.platform())
-        _decode(res, backends, sizes, bw, prog)
+        _decode(res, backends, sizes, prog)
         if what == "all":
             _prefill(res, backends, sizes, peak, prog)
             _append(res, backends, sizes, prog)
@@ -418,13 +436,16 @@ def format_report(res: dict) -> str:
         out.append(f"  peer {name}: {what}")
     rows_all = sz["decode_rows"]
     out += ["", f"decode (attend_layer, one token, {sz['num_heads']} Q / {sz['num_kv_heads']} KV heads, "
-                f"hd {sz['head_dim']}, F32): GB/s of K+V read (fraction of stream bandwidth); each call "
-                f"reads its layer from memory (copies taken in turn, past twice the "
+                f"hd {sz['head_dim']}, F32): GB/s of K+V read (fraction of the stream probe run around "
+                f"it); each call reads its layer from memory (copies taken in turn, past twice the "
                 f"{m.get('llc_bytes', 0) >> 20} MiB last-level cache, as in a model)"]
     names = list(dict.fromkeys(d["backend"] for d in res["decode"]))
     cells = {(d["backend"], d["rows"]): f"{d['gbps']:.2f} ({d['fraction']:.2f})" for d in res["decode"]}
     out += _table(["backend", *map(_rows_label, rows_all)],
                   [[n, *(cells.get((n, r), "-") for r in rows_all)] for n in names])
+    probes = [d["probe_gbps"] for d in res["decode"] + res["q8"] if "probe_gbps" in d]
+    if probes:
+        out.append(f"(the probe around these timings read {min(probes):.1f}-{max(probes):.1f} GB/s)")
     if res["q8"]:
         out += ["", "q8 decode: time q8 / time F32 (below 1: fewer bytes read pays off); q8 GB/s (fraction)"]
         out += _table(["backend", "rows", "q8 ms", "F32 ms", "q8/F32", "q8 GB/s"],

@@ -46,6 +46,14 @@ def test_cold_ring_spans_twice_the_last_level_cache(monkeypatch):
     assert len(bench.ColdRing(lambda: 0, lambda item: 10**9).items) == 1
 
 
+def test_the_probe_is_taken_around_the_timing(monkeypatch):
+    events = []
+    probes = iter([(10.0, "src"), (30.0, "src")])
+    monkeypatch.setattr(bench, "stream_read_bandwidth", lambda nbytes: events.append("probe") or next(probes))
+    t, bw = bench.time_beside_probe(lambda fn: events.append("time") or 0.5, lambda: None, 1 << 20)
+    assert (t, bw) == (0.5, 20.0) and events == ["probe", "time", "probe"]
+
+
 def test_last_level_cache_is_a_positive_size():
     assert bench.last_level_cache_bytes() >= 1 << 10
 
@@ -61,6 +69,9 @@ def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert {d["rows"] for d in res["decode"] if d["backend"] == "reference"} == set(bench.TINY.decode_rows)
     assert {d["copies"] for d in res["decode"]} == {bench.TINY.cold_copies}
+    for d in res["decode"]:
+        assert d["probe_gbps"] > 0 and d["fraction"] == pytest.approx(d["gbps"] / d["probe_gbps"])
+    assert "the probe around these timings read" in text
     for key in ("decode", "q8", "prefill", "append", "wire"):
         assert res[key], key
     assert res["machine"]["stream_read_gbps"] > 0 and res["machine"]["bandwidth_source"]
