@@ -55,11 +55,7 @@ def cold_layers(name: str, rows: int, q, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEA
     attended ``q`` once (JIT compile, device upload). Not cached."""
     from kvreg_tools.bench import ColdRing
 
-    ring = ColdRing(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), lambda lay: lay.memory_bytes(),
-                    max_copies=max_copies)
-    for lay in ring.items:
-        lay.attend_layer(q)
-    return ring
+    return ColdRing.of_layers(lambda: _new_layer(name, rows, str(mode), nkv, hd, 0), q, max_copies=max_copies)
 
 
 def _new_layer(name, rows, mode, nkv, hd, seed):
@@ -99,7 +95,7 @@ def beside_probe(measure) -> tuple[float, float]:
     neighbours within minutes)."""
     from kvreg_tools.bench import QUICK, time_beside_probe
 
-    return time_beside_probe(lambda fn: fn(), measure, QUICK.bandwidth_bytes)
+    return time_beside_probe(measure, QUICK.bandwidth_bytes)
 
 
 @functools.lru_cache(maxsize=1)

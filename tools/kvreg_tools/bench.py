@@ -111,15 +111,15 @@ def stream_read_bandwidth(nbytes: int | None = None, *, quick: bool = False) -> 
     return a.nbytes / t / 1e9, f"numpy sgemv fallback ({why})"
 
 
-def time_beside_probe(timeit, fn, nbytes: int) -> tuple[float, float]:
-    """``(timeit(fn), GB/s)``: the stream probe (:func:`stream_read_bandwidth`
+def time_beside_probe(measure, nbytes: int) -> tuple[float, float]:
+    """``(measure(), GB/s)``: the stream probe (:func:`stream_read_bandwidth`
     of ``nbytes``) run right before and right after the timing, averaged. On
     a shared machine the probe moves with the neighbours (30-36 GB/s beside
     them, 55-58 when they paused, minutes apart on this repository's Zen
     4), so a fraction of bandwidth compares a call with the probe around it,
     not with one taken at the start of the run."""
     before = stream_read_bandwidth(nbytes)[0]
-    t = timeit(fn)
+    t = measure()
     return t, (before + stream_read_bandwidth(nbytes)[0]) / 2
 
 
@@ -236,6 +236,15 @@ class ColdRing:
         self.items += [make() for _ in range(count - 1)]
         self._at = 0
 
+    @classmethod
+    def of_layers(cls, make, q, *, max_copies: int = 16) -> "ColdRing":
+        """A ring of ``make()`` layers, each having attended ``q`` once (JIT
+        compile, device upload) so that no timing pays for it."""
+        ring = cls(make, lambda lay: lay.memory_bytes(), max_copies=max_copies)
+        for lay in ring.items:
+            lay.attend_layer(q)
+        return ring
+
     def next(self):
         """The next copy (round-robin)."""
         self._at = (self._at + 1) % len(self.items)
@@ -256,14 +265,11 @@ def _decode(res, backends, sz, prog):
     q = np.random.default_rng(1).standard_normal((nh, hd), dtype=np.float32)
 
     def probed(fn):
-        return time_beside_probe(timeit, fn, sz.bandwidth_bytes)
+        return time_beside_probe(lambda: timeit(fn), sz.bandwidth_bytes)
 
     def layers(be, rows, mode):
-        ring = ColdRing(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be),
-                        lambda lay: lay.memory_bytes(), max_copies=sz.cold_copies)
-        for lay in ring.items:   # JIT compile / device upload outside the timing
-            lay.attend_layer(q)
-        return ring
+        return ColdRing.of_layers(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be), q,
+                                  max_copies=sz.cold_copies)
 
     f32_seconds = {}
     for be in backends:

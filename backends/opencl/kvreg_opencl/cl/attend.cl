@@ -502,6 +502,11 @@ __kernel void merge(__global const float *pm, __global const float *ps,
  * (G = sstride); on a CPU (G = 1) one work-item a head, eight rows an `exp`
  * call (the host pads sstride to a multiple of 8: the lanes past the span
  * are computed and never read, and every row gets the vector exp). */
+/* A head's probability of a capped score `s` (float or float8) from the
+ * head's max `m` and sum `z` (`mz` of the merge): `probs` and `importance`
+ * both make them this way, so they agree bit for bit. */
+#define KVREG_PROB(s, m, z) (exp((s) - (m)) / (z))
+
 __kernel void probs(__global float *scores, __global const float *mz,
                     __global const int *nlim, __global const int *firsts,
                     const int ng, const int hpk, const int sstride)
@@ -520,9 +525,9 @@ __kernel void probs(__global float *scores, __global const float *mz,
      * visible probability NaN) */
     if (G == 1 && (sstride & 7) == 0) {
         for (int p8 = 0; 8 * p8 < span; ++p8)
-            KVREG_ST8G(exp(KVREG_LD8G(p8, row) - m) / z, p8, row);
+            KVREG_ST8G(KVREG_PROB(KVREG_LD8G(p8, row), m, z), p8, row);
     } else {
-        for (int pr = c; pr < span; pr += G) row[pr] = exp(row[pr] - m) / z;
+        for (int pr = c; pr < span; pr += G) row[pr] = KVREG_PROB(row[pr], m, z);
     }
 }
 
@@ -578,7 +583,7 @@ __kernel void importance(__global float *imp, const int imp_len,
                         xs[j] = (p0 + j >= f && p0 + j < n) ? prob[base + (p0 + j - f)] : 0.0f;
                     x = vload8(0, xs);
                 }
-                if (normalize) x = exp(x - mz[2 * o]) / mz[2 * o + 1];
+                if (normalize) x = KVREG_PROB(x, mz[2 * o], mz[2 * o + 1]);
                 const int8 in = (pv >= (int8)(f)) & (pv < (int8)(n));
                 acc = in ? acc + x : acc;
             }
@@ -600,7 +605,7 @@ __kernel void importance(__global float *imp, const int imp_len,
                 if (p < f || p >= nlim[t * ng + gl]) continue;
                 const size_t o = (size_t)t * nq + qh;
                 const float x = prob[o * sstride + (p - f)];
-                acc += normalize ? exp(x - mz[2 * o]) / mz[2 * o + 1] : x;
+                acc += normalize ? KVREG_PROB(x, mz[2 * o], mz[2 * o + 1]) : x;
             }
         }
         imp[p] = acc;
