@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import subprocess
-import sys
-import time
 
 import numpy as np
 
@@ -106,19 +103,11 @@ def matmul_flops() -> float:
     return mf(quick=True)
 
 
-_BUSY = "import time\nprint(flush=True)\nt = time.time() + 120\nwhile time.time() < t:\n    pass\n"
-
-
 @contextlib.contextmanager
 def busy_neighbour():
-    """Another process spinning on one core while inside (issue 17's
-    competing process), killed on the way out. Entered once it spins: a
-    best-of-N timing would otherwise keep a sample taken while the
-    interpreter was still starting (tens of ms)."""
-    busy = subprocess.Popen([sys.executable, "-c", _BUSY], stdout=subprocess.PIPE)
-    try:
-        busy.stdout.readline()
+    """Another process spinning on a core while inside (issue 17's competing
+    process: ``kvreg_tools.bench.busy_process``)."""
+    from kvreg_tools.bench import busy_process
+
+    with busy_process():
         yield
-    finally:
-        busy.kill()
-        busy.wait()

@@ -4,86 +4,40 @@ measured in one process against its own reference)."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from . import common
 
-#: A small model's geometry (SmolLM2-135M): 9 Q / 3 KV heads, hd 64.
-SMALL = dict(nh=9, nkv=3, hd=64)
-
 
 class SmallModelDecodeCall:
-    """A decode step of one token at SmolLM2's geometry over 1k rows, as
-    ``append`` + ``attend_layer``, as the one call ``append_attend`` and as
-    the layer's prepared :class:`kvreg.DecodeStep`, against reading its K/V
-    bytes at the machine's stream bandwidth plus 10 µs (issue 17's bound: at
-    most 1.5x). The calls go round SmolLM2's 30 layers (1.5 MiB each), as a
-    decode step does, so each reads its rows from where a model finds them."""
+    """A decode step of one token at SmolLM2's geometry over 1k rows, going
+    round its 30 layers (``kvreg_tools.bench.SmallModelCall``), as ``append``
+    + ``attend_layer``, as the one call ``append_attend`` and as the layer's
+    prepared :class:`kvreg.DecodeStep`, against reading its K/V bytes at the
+    machine's stream bandwidth plus 10 µs (issue 17's bound: at most 1.5x)."""
 
     params = [common.backend_names()]
     param_names = ["backend"]
-    LAYERS = 30
 
     def setup(self, name):
-        rng = np.random.default_rng(5)
-        self.q = rng.standard_normal((SMALL["nh"], SMALL["hd"])).astype(np.float32)
-        self.layers = common.cold_layers(name, 1024, self.q, nkv=SMALL["nkv"], hd=SMALL["hd"],
-                                         max_copies=self.LAYERS)
-        self.kv = rng.standard_normal((SMALL["nkv"], SMALL["hd"])).astype(np.float32)
-        self.steps = {id(lay): lay.decode_step(SMALL["nh"]) for lay in self.layers.items}
-        for _ in self.layers.items:
-            self.step()
+        from kvreg_tools.bench import SmallModelCall
 
-    def two_calls(self):
-        layer = self.layers.next()
-        layer.append(self.kv, self.kv)
-        layer.attend_layer(self.q)
-        return layer
-
-    def one_call(self):
-        self.layers.next().append_attend(self.kv, self.kv, self.q)
-
-    def prepared(self):
-        self.steps[id(self.layers.next())](self.kv, self.kv, self.q)
-
-    def step(self):
-        self.two_calls().truncate_last(1)  # the layer stays at 1k rows
+        self.small = SmallModelCall(common.backend(name))
 
     def time_append_attend(self, name):
-        self.step()
+        self.small.call("append + attend_layer").truncate_last(1)   # the layer stays at 1k rows
 
-    def _vs_bytes_plus_10us(self, call):
-        # two rounds of the layers (two decode calls each: 1024 -> 1026
-        # rows), then the rows dropped outside the clock: the truncation is
-        # the benchmark's, not the call's
-        layers = self.layers.items
-        n = 2 * len(layers)
-
-        def measure():
-            best = float("inf")
-            for _ in range(15):
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    call()
-                best = min(best, (time.perf_counter() - t0) / n)
-                for lay in layers:
-                    lay.truncate_last(2)
-            return best
-
-        best, bw = common.beside_probe(measure)
-        rows_bytes = layers[0].memory_bytes() * (1024 + 1.5) / 1024   # the calls' mean rows
-        return best / (rows_bytes / (bw * 1e9) + 10e-6)
+    def _ratio(self, call):
+        return self.small.vs_bytes_plus_10us(call)["ratio"]
 
     def track_vs_bytes_plus_10us(self, name):
-        return self._vs_bytes_plus_10us(self.two_calls)
+        return self._ratio("append + attend_layer")
 
     def track_one_call_vs_bytes_plus_10us(self, name):
-        return self._vs_bytes_plus_10us(self.one_call)
+        return self._ratio("append_attend")
 
     def track_decode_step_vs_bytes_plus_10us(self, name):
-        return self._vs_bytes_plus_10us(self.prepared)
+        return self._ratio("decode_step")
 
     track_vs_bytes_plus_10us.unit = track_one_call_vs_bytes_plus_10us.unit = \
         track_decode_step_vs_bytes_plus_10us.unit = "x (bytes at stream bandwidth + 10 us)"

@@ -17,11 +17,13 @@ Tests pass a tiny :class:`Sizes` through ``args.sizes``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Sizes", "FULL", "QUICK", "TINY", "time_call", "stream_read_bandwidth", "matmul_flops",
-           "time_beside_probe", "last_level_cache_bytes", "ColdRing", "run", "format_report", "plot_decode", "main"]
+           "time_beside_probe", "last_level_cache_bytes", "ColdRing", "SmallModelCall", "busy_process", "run",
+           "format_report", "plot_decode", "main"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class Sizes:
     matmul_n: int = 2048
     #: At most this many copies of a decode layer (:class:`ColdRing`).
     cold_copies: int = 16
+    #: Rows of the decode timed quiet and beside a busy process.
+    busy_rows: int = 4096
+    #: The small model's decode call (:class:`SmallModelCall`): rows and layers.
+    small_rows: int = 1024
+    small_layers: int = 30
 
 
 FULL = Sizes()
@@ -62,7 +70,8 @@ QUICK = Sizes(decode_rows=(1024, 4096, 16384), q8_rows=(4096,), prefill_s0=2048,
               matmul_n=1024)
 TINY = Sizes(decode_rows=(64, 128), q8_rows=(128,), num_heads=4, num_kv_heads=2, head_dim=32,
              prefill_s0=64, prefill_b=16, prefill_heads=(4, 2), wire_rows=128, repeats=1, min_time=0.0,
-             max_time=0.05, bandwidth_bytes=1 << 20, matmul_n=64, cold_copies=2)
+             max_time=0.05, bandwidth_bytes=1 << 20, matmul_n=64, cold_copies=2, busy_rows=128,
+             small_rows=64, small_layers=2)
 
 
 # ── timing and the machine's references ──
@@ -121,6 +130,26 @@ def time_beside_probe(measure, nbytes: int) -> tuple[float, float]:
     before = stream_read_bandwidth(nbytes)[0]
     t = measure()
     return t, (before + stream_read_bandwidth(nbytes)[0]) / 2
+
+
+_SPIN = "import time\nprint(flush=True)\nt = time.time() + 600\nwhile time.time() < t:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_process():
+    """Another process spinning on a core while inside (issue 17's competing
+    process: a host's neighbour, a second model, a build), killed on the way
+    out; it gives up by itself after 10 minutes. Entered once it spins, so a
+    timing inside never samples the interpreter still starting. Yields the
+    process."""
+    busy = subprocess.Popen([sys.executable, "-c", _SPIN], stdout=subprocess.PIPE)
+    try:
+        busy.stdout.readline()
+        yield busy
+    finally:
+        busy.kill()
+        busy.wait()
+        busy.stdout.close()
 
 
 def matmul_flops(n: int | None = None, *, quick: bool = False) -> float:
@@ -251,14 +280,99 @@ class ColdRing:
         return self.items[self._at]
 
 
+class SmallModelCall:
+    """A small model's decode call: one token appended to a layer and
+    attended, at SmolLM2-135M's geometry (9 Q / 3 KV heads, hd 64), going
+    round ``layers`` layers of ``rows`` rows as a decode step does (30 layers
+    of 1.5 MiB at 1k rows, so each call reads its rows from where a model
+    finds them). Issue 17's bound: at most 1.5x the time of reading the
+    layer's bytes at the stream bandwidth plus 10 µs. Three spellings of the
+    same call: ``append`` + ``attend_layer``, ``append_attend`` and the
+    layer's prepared :class:`kvreg.DecodeStep`."""
+
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+    CALLS = ("append + attend_layer", "append_attend", "decode_step")
+
+    def __init__(self, backend, rows: int = 1024, layers: int = 30):
+        from kvreg.testing.fill import filled_layer
+
+        rng = np.random.default_rng(5)
+        self.rows = rows
+        self.q = rng.standard_normal((self.NUM_HEADS, self.HEAD_DIM)).astype(np.float32)
+        self.kv = rng.standard_normal((self.NUM_KV_HEADS, self.HEAD_DIM)).astype(np.float32)
+        self.layers = ColdRing.of_layers(
+            lambda: filled_layer(rows, self.NUM_KV_HEADS, self.HEAD_DIM, backend=backend),
+            self.q, max_copies=layers)
+        self._steps = {id(lay): lay.decode_step(self.NUM_HEADS) for lay in self.layers.items}
+        for call in self.CALLS:    # every path compiled and warm
+            for _ in self.layers.items:
+                self.call(call)
+            self._drop(1)
+
+    def call(self, name: str):
+        """One decode call on the next layer, spelt as ``name`` (one of
+        :data:`CALLS`); returns the layer."""
+        layer = self.layers.next()
+        if name == "decode_step":
+            self._steps[id(layer)](self.kv, self.kv, self.q)
+        elif name == "append_attend":
+            layer.append_attend(self.kv, self.kv, self.q)
+        else:
+            layer.append(self.kv, self.kv)
+            layer.attend_layer(self.q)
+        return layer
+
+    def _drop(self, n: int) -> None:
+        for lay in self.layers.items:
+            lay.truncate_last(n)
+
+    def seconds(self, name: str, repeats: int = 15) -> float:
+        """Best seconds per call over ``repeats`` rounds of two calls per
+        layer (``rows`` -> ``rows + 2``); the rows are dropped outside the
+        clock (the truncation is the benchmark's, not the call's)."""
+        n = 2 * len(self.layers.items)
+        best = float("inf")
+        for _ in range(max(int(repeats), 1)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.call(name)
+            best = min(best, (time.perf_counter() - t0) / n)
+            self._drop(2)
+        return best
+
+    def bytes_read(self) -> float:
+        """K/V bytes a call reads, at its mean rows (``rows + 1.5``)."""
+        return self.layers.items[0].memory_bytes() * (self.rows + 1.5) / self.rows
+
+    def vs_bytes_plus_10us(self, name: str, *, repeats: int = 15, bandwidth_bytes: int | None = None) -> dict:
+        """``name``'s best time per call over its bytes read at the stream
+        probe run around it (:func:`time_beside_probe`) plus 10 µs."""
+        t, bw = time_beside_probe(lambda: self.seconds(name, repeats),
+                                  bandwidth_bytes or QUICK.bandwidth_bytes)
+        return dict(seconds=t, probe_gbps=bw, ratio=t / (self.bytes_read() / (bw * 1e9) + 10e-6))
+
+
+def _small(res, backends, sz, prog):
+    """:class:`SmallModelCall` per backend, its three spellings."""
+    for be in backends:
+        prog.step(f"small model's decode call, {be.name}")
+        small = SmallModelCall(be, sz.small_rows, sz.small_layers)
+        for call in SmallModelCall.CALLS:
+            res["small"].append(dict(backend=be.name, call=call, rows=sz.small_rows,
+                                     layers=len(small.layers.items), **small.vs_bytes_plus_10us(
+                                         call, repeats=sz.repeats * 3, bandwidth_bytes=sz.bandwidth_bytes)))
+        del small
+
+
 def _timer(sz: Sizes):
     return lambda fn: time_call(fn, min_time=sz.min_time, repeats=sz.repeats, max_time=sz.max_time)
 
 
 def _decode(res, backends, sz, prog):
     """Decode and q8 figures, each layer timed cold (:class:`ColdRing`) and
-    read against the probe around it (:func:`time_beside_probe`)."""
-    from kvreg.testing.fill import filled_layer
+    read against the probe around it (:func:`time_beside_probe`); then one
+    decode per backend and of SDPA quiet and beside a busy process."""
+    from kvreg.testing.fill import filled_layer, kv_rows
 
     timeit = _timer(sz)
     nh, nkv, hd = sz.num_heads, sz.num_kv_heads, sz.head_dim
@@ -270,6 +384,19 @@ def _decode(res, backends, sz, prog):
     def layers(be, rows, mode):
         return ColdRing.of_layers(lambda: filled_layer(rows, nkv, hd, mode=mode, backend=be), q,
                                   max_copies=sz.cold_copies)
+
+    torch, sdpa = _torch_sdpa()
+    if torch is not None:
+        tq = torch.from_numpy(q.copy()).reshape(1, nh, 1, hd)
+
+    def sdpa_ring(rows):
+        """A ring of SDPA's K/V tensors and a decode on the next of them."""
+        k, v = kv_rows(rows, nkv, hd)
+        copy = lambda a: torch.from_numpy(np.array(a)).unsqueeze(0)  # noqa: E731
+        ring = ColdRing(lambda: (copy(k), copy(v)), lambda kv: 2 * k.nbytes, max_copies=sz.cold_copies)
+        with torch.no_grad():
+            sdpa(tq, *ring.items[0], enable_gqa=True)
+        return ring, lambda: sdpa(tq, *ring.next(), enable_gqa=True)
 
     f32_seconds = {}
     for be in backends:
@@ -283,36 +410,30 @@ def _decode(res, backends, sz, prog):
                                       copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
                                       fraction=nbytes / t / 1e9 / bw))
             del ring
-    torch, sdpa = _torch_sdpa()
     if torch is None:
         res["peers"]["torch-sdpa"] = sdpa
     else:
         res["peers"]["torch-sdpa"] = f"torch {torch.__version__}"
-        from kvreg.testing.fill import kv_rows
-
-        tq = torch.from_numpy(q.copy()).reshape(1, nh, 1, hd)
         for rows in sz.decode_rows:
             prog.step(f"decode torch-sdpa {_rows_label(rows)} rows")
-            k, v = kv_rows(rows, nkv, hd)
             nbytes = 2 * rows * nkv * hd * 4
-            copy = lambda a: torch.from_numpy(np.array(a)).unsqueeze(0)  # noqa: E731
-            ring = ColdRing(lambda: (copy(k), copy(v)), lambda kv: nbytes, max_copies=sz.cold_copies)
             try:
+                ring, step = sdpa_ring(rows)
                 with torch.no_grad():
-                    sdpa(tq, *ring.items[0], enable_gqa=True)
-                    t, bw = probed(lambda: sdpa(tq, *ring.next(), enable_gqa=True))
+                    t, bw = probed(step)
             except Exception as exc:  # an older torch without enable_gqa
                 res["peers"]["torch-sdpa"] = f"torch {torch.__version__}: SDPA failed: {exc}"
+                torch = None
                 break
             res["decode"].append(dict(backend="torch-sdpa", kv="f32", rows=rows, seconds=t, bytes=nbytes,
                                       copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
                                       fraction=nbytes / t / 1e9 / bw))
-            del ring
+            del ring, step
     for be in backends:
         for rows in sz.q8_rows:
             prog.step(f"q8 decode {be.name} {_rows_label(rows)} rows")
             ring = layers(be, rows, "q8")
-            tq, bw = probed(lambda: ring.next().attend_layer(q))
+            tq8, bw = probed(lambda: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             del ring
             tf = f32_seconds.get((be.name, rows))
@@ -320,8 +441,33 @@ def _decode(res, backends, sz, prog):
                 ring = layers(be, rows, "f32")
                 tf = timeit(lambda: ring.next().attend_layer(q))
                 del ring
-            res["q8"].append(dict(backend=be.name, rows=rows, q8_seconds=tq, f32_seconds=tf, ratio=tq / tf,
-                                  probe_gbps=bw, q8_gbps=nbytes / tq / 1e9, q8_fraction=nbytes / tq / 1e9 / bw))
+            res["q8"].append(dict(backend=be.name, rows=rows, q8_seconds=tq8, f32_seconds=tf, ratio=tq8 / tf,
+                                  probe_gbps=bw, q8_gbps=nbytes / tq8 / 1e9, q8_fraction=nbytes / tq8 / 1e9 / bw))
+
+    rows = sz.busy_rows
+    for be in backends:
+        prog.step(f"decode {be.name} {_rows_label(rows)} rows, quiet and beside a busy process")
+        ring = layers(be, rows, "f32")
+        res["busy"].append(dict(backend=be.name, rows=rows, **_quiet_and_busy(
+            lambda: ring.next().attend_layer(q), timeit)))
+        del ring
+    if torch is not None:
+        prog.step(f"decode torch-sdpa {_rows_label(rows)} rows, quiet and beside a busy process")
+        ring, step = sdpa_ring(rows)
+        with torch.no_grad():
+            res["busy"].append(dict(backend="torch-sdpa", rows=rows, **_quiet_and_busy(step, timeit)))
+        del ring, step
+
+
+def _quiet_and_busy(fn, timeit) -> dict:
+    """``fn`` timed quiet, beside :func:`busy_process`, then quiet again:
+    the quiet time is the mean of the two, so a neighbour's drift during
+    the measurement shows in neither ratio's favour."""
+    before = timeit(fn)
+    with busy_process():
+        busy = timeit(fn)
+    quiet = (before + timeit(fn)) / 2
+    return dict(quiet_seconds=quiet, busy_seconds=busy, ratio=busy / quiet)
 
 
 def _prefill(res, backends, sz, peak, prog):
@@ -393,15 +539,16 @@ def run(what: str = "all", backend_names=None, sizes: Sizes = FULL, *, progress:
     """Every figure of one bench run (see the module doc), as a dict."""
     backends, failed = _backends(backend_names)
     nb = len(backends)
-    steps = 2 + nb * (len(sizes.decode_rows) + len(sizes.q8_rows))
+    steps = 2 + nb * (len(sizes.decode_rows) + len(sizes.q8_rows) + 2)
     if _torch_sdpa()[0] is not None:
-        steps += len(sizes.decode_rows)
+        steps += len(sizes.decode_rows) + 1
     if what == "all":
         steps += nb + 2 * nb + 2
     prog = _Progress(steps, progress)
-    res = {"what": what, "sizes": dataclasses.asdict(sizes), "machine": {}, "backends": [b.describe() for b in backends],
+    res = {"what": what, "sizes": dataclasses.asdict(sizes), "machine": {},
+           "backends": [b.describe() for b in backends],
            "unavailable": [dict(backend=n, why=w) for n, w in failed], "peers": {},
-           "decode": [], "q8": [], "prefill": [], "append": [], "wire": []}
+           "decode": [], "q8": [], "busy": [], "small": [], "prefill": [], "append": [], "wire": []}
     try:
         prog.step("stream-read bandwidth")
         bw, src = stream_read_bandwidth(sizes.bandwidth_bytes)
@@ -412,6 +559,7 @@ def run(what: str = "all", backend_names=None, sizes: Sizes = FULL, *, progress:
                               cpu_count=os.cpu_count(), numpy=np.__version__,
                               python=platform.python_version(), platform=platform.platform())
         _decode(res, backends, sizes, prog)
+        _small(res, backends, sizes, prog)
         if what == "all":
             _prefill(res, backends, sizes, peak, prog)
             _append(res, backends, sizes, prog)
@@ -458,6 +606,20 @@ def format_report(res: dict) -> str:
                       [[d["backend"], _rows_label(d["rows"]), f"{d['q8_seconds'] * 1e3:.2f}",
                         f"{d['f32_seconds'] * 1e3:.2f}", f"{d['ratio']:.2f}",
                         f"{d['q8_gbps']:.2f} ({d['q8_fraction']:.2f})"] for d in res["q8"]])
+    if res["busy"]:
+        out += ["", f"beside a busy process (another process spinning on a core; kvreg on its default thread "
+                    f"budget, torch on its own): a {_rows_label(res['busy'][0]['rows'])}-row decode, each call "
+                    "from memory"]
+        out += _table(["backend", "quiet ms", "busy ms", "busy/quiet"],
+                      [[d["backend"], f"{d['quiet_seconds'] * 1e3:.2f}", f"{d['busy_seconds'] * 1e3:.2f}",
+                        f"{d['ratio']:.2f}"] for d in res["busy"]])
+    if res["small"]:
+        s0 = res["small"][0]
+        out += ["", f"a small model's decode call (SmolLM2-135M: 9 Q / 3 KV heads, hd 64; {s0['rows']} rows, going "
+                    f"round {s0['layers']} layers): µs per call, and over reading its bytes at the probe + 10 µs"]
+        out += _table(["backend", "call", "µs", "x (bytes + 10 µs)"],
+                      [[d["backend"], d["call"], f"{d['seconds'] * 1e6:.1f}", f"{d['ratio']:.2f}"]
+                       for d in res["small"]])
     if res["prefill"]:
         p0 = res["prefill"][0]
         out += ["", f"prefill (attend_chunk b={p0['b']} after {p0['s0']} rows, {p0['num_heads']} Q / "

@@ -2,7 +2,10 @@
 benchmarks start from."""
 
 import argparse
+import contextlib
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -54,6 +57,59 @@ def test_the_probe_is_taken_around_the_timing(monkeypatch):
     assert (t, bw) == (0.5, 20.0) and events == ["probe", "time", "probe"]
 
 
+def _cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])   # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_busy_process_spins_while_inside_and_is_gone_after():
+    with bench.busy_process() as busy:
+        t0 = _cpu_ticks(busy.pid)
+        time.sleep(0.3)
+        assert busy.poll() is None and _cpu_ticks(busy.pid) - t0 >= 10   # >= 0.1 s of CPU in 0.3 s
+    assert busy.poll() is not None
+
+
+def test_quiet_time_is_the_mean_around_the_busy_one(monkeypatch):
+    inside = []
+
+    @contextlib.contextmanager
+    def fake_busy():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    monkeypatch.setattr(bench, "busy_process", fake_busy)
+    times = iter([1.0, 3.0, 2.0])
+    seen = []
+    d = bench._quiet_and_busy(None, lambda fn: seen.append(bool(inside)) or next(times))
+    assert seen == [False, True, False]
+    assert d == dict(quiet_seconds=1.5, busy_seconds=3.0, ratio=2.0)
+
+
+@pytest.mark.parametrize("call", bench.SmallModelCall.CALLS)
+def test_small_model_call_appends_and_attends_each_layer_in_turn(call):
+    small = bench.SmallModelCall("reference", rows=32, layers=3)
+    layers = small.layers.items
+    assert len(layers) == 3 and all(lay.seq_len == 32 for lay in layers)
+    ref = filled_layer(32, 3, 64, backend="reference")
+    ref.append(small.kv, small.kv)
+    want = ref.attend_layer(small.q)
+    called = []
+    for i in range(3):
+        layer = small.call(call)
+        called.append(id(layer))
+        assert sorted(lay.seq_len for lay in layers) == [32] * (2 - i) + [33] * (i + 1)
+        assert layer.seq_len == 33
+        got = small._steps[id(layer)].out if call == "decode_step" else layer.attend_layer(small.q)
+        assert np.array_equal(got, want)
+    assert len(set(called)) == 3
+    assert small.seconds(call, repeats=2) > 0
+    assert all(lay.seq_len == 33 for lay in layers)   # the timed rounds' rows dropped
+
+
 def test_last_level_cache_is_a_positive_size():
     assert bench.last_level_cache_bytes() >= 1 << 10
 
@@ -72,8 +128,18 @@ def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):
     for d in res["decode"]:
         assert d["probe_gbps"] > 0 and d["fraction"] == pytest.approx(d["gbps"] / d["probe_gbps"])
     assert "the probe around these timings read" in text
-    for key in ("decode", "q8", "prefill", "append", "wire"):
+    for key in ("decode", "q8", "busy", "prefill", "append", "wire"):
         assert res[key], key
+    assert {d["backend"] for d in res["busy"]} == {"reference", "torch-sdpa"}
+    for d in res["busy"]:
+        assert d["rows"] == bench.TINY.busy_rows
+        assert d["ratio"] == pytest.approx(d["busy_seconds"] / d["quiet_seconds"])
+    assert "beside a busy process" in text
+    assert [(d["backend"], d["call"]) for d in res["small"]] == [("reference", c) for c in bench.SmallModelCall.CALLS]
+    for d in res["small"]:
+        assert d["rows"] == bench.TINY.small_rows and d["layers"] == bench.TINY.small_layers
+        assert d["probe_gbps"] > 0 and d["ratio"] > 0
+    assert "a small model's decode call" in text
     assert res["machine"]["stream_read_gbps"] > 0 and res["machine"]["bandwidth_source"]
     assert "torch-sdpa" in res["peers"]
 
