@@ -703,6 +703,10 @@ def main(args) -> int:
     if getattr(args, "real", False) and what != "o1":
         print("kvreg bench: --real applies to `kvreg bench o1` only", file=sys.stderr)
         return 2
+    if getattr(args, "busy", False):
+        print("kvreg bench: --busy applies to --model (`kvreg bench decode` always times a decode beside a "
+              "busy process)", file=sys.stderr)
+        return 2
     if what == "o1":
         return _o1(args)
     plot = getattr(args, "plot", None)

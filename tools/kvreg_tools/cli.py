@@ -90,6 +90,8 @@ def register_bench(sub) -> None:
     mg.add_argument("--repeats", type=int, default=None, help="round-robin rounds (default 3)")
     mg.add_argument("--configs", default=None,
                     help="comma-separated: kvreg:MODE, dynamic, static (default kvreg:f32,kvreg:q8,dynamic,static)")
+    mg.add_argument("--busy", action="store_true",
+                    help="run the decode rounds again beside a process spinning on a core, in the same run")
     bp.set_defaults(func=_cmd_bench)
 
 

@@ -13,7 +13,11 @@ started with (numba's OpenMP layer raises it on its first launch; see
 ``machine.torch_thread_resets`` in the JSON). Each config keeps growing its own
 context (position ``context + 1`` up to ``context + 1 + repeats * steps``).
 The prefill is timed ``repeats`` times too, round-robin, all but the last on
-throwaway caches; its figures are the medians of those rounds.
+throwaway caches; its figures are the medians of those rounds. With
+``busy``, the same decode rounds run once more beside another process
+spinning on a core (``kvreg_tools.bench.busy_process``), each config's
+steps going on from where its quiet ones stopped, and are reported in a
+table of their own with each config's busy over quiet.
 
 Each step is split by timing the calls that are actually made
 (``time.perf_counter_ns`` around each):
@@ -222,6 +226,7 @@ class _Runner:
             self.cache = KvregCache(model, mode=cfg.mode, backend=backend)
         self.attn = "kvreg" if cfg.kind == "kvreg" else "sdpa"
         self.steps: list[dict] = []
+        self.busy_steps: list[dict] = []   # the rounds beside a busy process
         self.tokens: list[int] = []
         self.prefill: dict = {}
         self.prefills: list[dict] = []   # earlier rounds' prefills, on throwaway caches
@@ -260,27 +265,31 @@ class _Runner:
         self.prefill = self._forward(clock, ids)
         self.prefill["tokens"] = int(ids.shape[1])
 
-    def do_step(self, clock: _Clock, rnd: int | None) -> None:
+    def do_step(self, clock: _Clock, rnd: int | None, *, busy: bool = False) -> None:
         rec = self._forward(clock, self.next)
         if rnd is not None:
             rec["round"] = rnd
-            self.steps.append(rec)
+            (self.busy_steps if busy else self.steps).append(rec)
 
 
 def _median(xs):
     return float(statistics.median(xs)) if xs else float("nan")
 
 
-def summarize(runner: _Runner) -> dict:
-    st = runner.steps
+def summarize_steps(st: list[dict]) -> dict:
+    """Medians of decode steps' splits (the rest: the median step less the
+    median cache and attention, so the three add up)."""
     step = _median([s["step_ns"] for s in st])
     cache = _median([s["cache_ns"] for s in st])
     attn = _median([s["attention_ns"] for s in st])
-    pre = lambda key: _median([p[key] for p in runner.prefills + [runner.prefill]]) / 1e6  # noqa: E731
     return {"median_step_ms": step / 1e6, "median_cache_ms": cache / 1e6, "median_attention_ms": attn / 1e6,
-            "median_rest_ms": (step - cache - attn) / 1e6, "tokens_per_s": 1e9 / step if step else float("nan"),
-            "prefill_ms": pre("step_ns"), "prefill_attention_ms": pre("attention_ns"), "prefill_cache_ms": pre("cache_ns"),
-            "prefill_rounds": len(runner.prefills) + 1}
+            "median_rest_ms": (step - cache - attn) / 1e6, "tokens_per_s": 1e9 / step if step else float("nan")}
+
+
+def summarize(runner: _Runner) -> dict:
+    pre = lambda key: _median([p[key] for p in runner.prefills + [runner.prefill]]) / 1e6  # noqa: E731
+    return {**summarize_steps(runner.steps), "prefill_ms": pre("step_ns"), "prefill_attention_ms": pre("attention_ns"),
+            "prefill_cache_ms": pre("cache_ns"), "prefill_rounds": len(runner.prefills) + 1}
 
 
 def ratios(summary: dict) -> dict:
@@ -297,14 +306,15 @@ def ratios(summary: dict) -> dict:
             r[f"cache_attention_vs_{ref}"] = ca / (rs["median_cache_ms"] + rs["median_attention_ms"])
             r[f"step_vs_{ref}"] = s["median_step_ms"] / rs["median_step_ms"]
         sdpa = refs.get("dynamic") or refs.get("static")
-        if sdpa:
+        if sdpa and "prefill_attention_ms" in s:
             r["prefill_attention_vs_sdpa"] = s["prefill_attention_ms"] / sdpa["prefill_attention_ms"]
         out[name] = r
     return out
 
 
 def run(model_name: str, *, context: int = 4096, steps: int = 16, repeats: int = 3,
-        configs: str = DEFAULT_CONFIGS, backend=None, progress: bool = True, model=None, tokenizer=None) -> dict:
+        configs: str = DEFAULT_CONFIGS, backend=None, progress: bool = True, model=None, tokenizer=None,
+        busy: bool = False) -> dict:
     import os
 
     import torch
@@ -318,7 +328,7 @@ def run(model_name: str, *, context: int = 4096, steps: int = 16, repeats: int =
         model, tokenizer = models.load(model_name)
         say(f"loaded {model_name} in {time.perf_counter() - t0:.1f} s")
     ids = context_ids(tokenizer, context)
-    max_len = context + 1 + repeats * steps + 1
+    max_len = context + 1 + (2 if busy else 1) * repeats * steps + 1
     clock = _Clock()
     # Warm-up on throwaway caches: numba's JIT and thread start-up, torch's
     # first-call allocations, outside every timed figure.
@@ -352,6 +362,15 @@ def run(model_name: str, *, context: int = 4096, steps: int = 16, repeats: int =
             for _ in range(steps):
                 r.do_step(clock, rnd)
         say(f"round {rnd + 1}/{repeats} done")
+    if busy:
+        from kvreg_tools.bench import busy_process
+
+        with busy_process():
+            for rnd in range(repeats):
+                for r in runners:
+                    for _ in range(steps):
+                        r.do_step(clock, rnd, busy=True)
+                say(f"round {rnd + 1}/{repeats} beside a busy process done")
     summary = {r.cfg.name: summarize(r) for r in runners}
     backend_name = next((r.cache.backend_name for r in runners if r.cfg.kind == "kvreg"), None)
     ref = next((r.tokens for r in runners if r.cfg.kind == "dynamic"), None)
@@ -365,10 +384,23 @@ def run(model_name: str, *, context: int = 4096, steps: int = 16, repeats: int =
                     "KVREG_THREADS": os.environ.get("KVREG_THREADS")},
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
         "summary": summary, "ratios": ratios(summary),
+        **(_busy_figures(runners, summary) if busy else {}),
         "greedy_agreement_with_dynamic": agree,
         "raw": {r.cfg.name: {"prefill": r.prefill, "earlier_prefills": r.prefills, "steps": r.steps,
-                             "tokens": r.tokens} for r in runners},
+                             **({"busy_steps": r.busy_steps} if busy else {}), "tokens": r.tokens}
+                for r in runners},
     }
+
+
+def _busy_figures(runners, quiet: dict) -> dict:
+    """The decode beside a busy process: each config's summary, kvreg's
+    ratios to transformers' caches there, and each config's busy over its
+    quiet step and cache + attention."""
+    summary = {r.cfg.name: summarize_steps(r.busy_steps) for r in runners}
+    ca = lambda x: x["median_cache_ms"] + x["median_attention_ms"]  # noqa: E731
+    over = {n: {"step": x["median_step_ms"] / quiet[n]["median_step_ms"], "cache_attention": ca(x) / ca(quiet[n])}
+            for n, x in summary.items()}
+    return {"busy": {"summary": summary, "ratios": ratios(summary), "over_quiet": over}}
 
 
 def _cpu_name() -> str:
@@ -380,6 +412,16 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _ratio_table(rat: dict) -> list[str]:
+    lines = ["| kvreg config | cache+attn / dynamic | cache+attn / static | step / dynamic | step / static "
+             "| prefill attn / SDPA |", "|---|---:|---:|---:|---:|---:|"]
+    for name, r in rat.items():
+        f = lambda k: f"{r[k]:.2f}x" if k in r else "-"   # noqa: E731
+        lines.append(f"| {name} | {f('cache_attention_vs_dynamic')} | {f('cache_attention_vs_static')} "
+                     f"| {f('step_vs_dynamic')} | {f('step_vs_static')} | {f('prefill_attention_vs_sdpa')} |")
+    return lines
 
 
 def format_report(res: dict) -> str:
@@ -400,13 +442,7 @@ def format_report(res: dict) -> str:
                      f"| {x['median_cache_ms'] + x['median_attention_ms']:.2f} | {x['prefill_attention_ms']:.0f} "
                      f"| {'-' if a is None else f'{a:.0%}'} |")
     if rat:
-        lines += ["", "| kvreg config | cache+attn / dynamic | cache+attn / static | step / dynamic | step / static "
-                  "| prefill attn / SDPA |", "|---|---:|---:|---:|---:|---:|"]
-        for name, r in rat.items():
-            f = lambda k: f"{r[k]:.2f}x" if k in r else "-"   # noqa: E731
-            lines.append(f"| {name} | {f('cache_attention_vs_dynamic')} | {f('cache_attention_vs_static')} "
-                         f"| {f('step_vs_dynamic')} | {f('step_vs_static')} | {f('prefill_attention_vs_sdpa')} |")
-        lines.append("")
+        lines += ["", *_ratio_table(rat), ""]
         for name, r in rat.items():
             for ref, bound, what in TARGETS:
                 k = f"cache_attention_vs_{ref}"
@@ -417,6 +453,20 @@ def format_report(res: dict) -> str:
                 v = r["prefill_attention_vs_sdpa"]
                 lines.append(f"target {name}: prefill attention of a {res['context']}-token chunk <= SDPA's: "
                              f"{v:.2f}x {'met' if v <= PREFILL_TARGET else 'MISSED'}")
+    busy = res.get("busy")
+    if busy:
+        lines += ["", "beside a busy process (another process spinning on a core), the same decode rounds after "
+                      "the quiet ones:", "",
+                  "| config | tokens/s | step ms | cache ms | attention ms | rest ms | cache+attn ms "
+                  "| step busy/quiet | cache+attn busy/quiet |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in res["configs"]:
+            x, o = busy["summary"][name], busy["over_quiet"][name]
+            lines.append(f"| {name} | {x['tokens_per_s']:.1f} | {x['median_step_ms']:.2f} "
+                         f"| {x['median_cache_ms']:.3f} | {x['median_attention_ms']:.2f} | {x['median_rest_ms']:.2f} "
+                         f"| {x['median_cache_ms'] + x['median_attention_ms']:.2f} | {o['step']:.2f}x "
+                         f"| {o['cache_attention']:.2f}x |")
+        if busy["ratios"]:
+            lines += ["", *_ratio_table(busy["ratios"])]
     lines += ["", "cache: the cache's update call (+ kvreg's LayerKvCache append/extend/evict; a decode step's "
               "row is stored inside append_attend, counted as attention); attention: the "
               "registered attention function (sdpa / kvreg), less kvreg's store calls; rest: step - cache - attention. "
@@ -443,7 +493,8 @@ def main(args) -> int:
         return 2
     try:
         res = run(args.model, context=int(context), steps=int(steps), repeats=int(repeats), configs=configs,
-                  backend=backends[0], progress=getattr(args, "progress", True))
+                  backend=backends[0], progress=getattr(args, "progress", True),
+                  busy=bool(getattr(args, "busy", False)))
     except ConfigError as exc:
         print(f"kvreg bench --model: {exc}", file=sys.stderr)
         return 2

@@ -3,6 +3,7 @@ model: the report's structure and that each step's split adds up, no speed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -55,6 +56,46 @@ def test_bench_model_quick_reports_split_ratios_and_raw_timings(tmp_path, capsys
     assert set(res["ratios"]) == {"kvreg:f32"}
     assert res["greedy_agreement_with_dynamic"]["dynamic"] == 1.0
     assert res["kvreg_backend"] and res["machine"]["torch_threads"] >= 1
+
+
+def test_bench_model_busy_runs_the_decode_rounds_again_beside_a_spinning_process(tmp_path, capsys, monkeypatch):
+    from kvreg.cli import main
+    from kvreg_tools import bench
+
+    spun = []
+    real = bench.busy_process
+
+    @contextlib.contextmanager
+    def counted():
+        with real() as p:
+            spun.append(p.pid)
+            yield p
+
+    monkeypatch.setattr(bench, "busy_process", counted)
+    out = tmp_path / "model.json"
+    assert main(["bench", "--model", "smollm2-135m", "--quick", "--configs", "kvreg:f32,dynamic", "--busy",
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "beside a busy process" in text and "step busy/quiet" in text
+    assert len(spun) == 1
+    res = json.loads(out.read_text())
+    busy = res["busy"]
+    for name in res["configs"]:
+        raw = res["raw"][name]
+        assert len(raw["steps"]) == len(raw["busy_steps"]) == 2
+        assert len(raw["tokens"]) == 1 + 1 + 2 + 2    # the busy steps go on from the quiet ones
+        assert busy["summary"][name] == model_bench.summarize_steps(raw["busy_steps"])
+        o = busy["over_quiet"][name]
+        assert o["step"] == pytest.approx(busy["summary"][name]["median_step_ms"]
+                                          / res["summary"][name]["median_step_ms"])
+    assert set(busy["ratios"]["kvreg:f32"]) == {"cache_attention_vs_dynamic", "step_vs_dynamic"}
+
+
+def test_busy_applies_to_a_model_only(capsys):
+    from kvreg.cli import main
+
+    assert main(["bench", "decode", "--busy"]) == 2
+    assert "--busy" in capsys.readouterr().err
 
 
 def test_parse_configs_refuses_unknown_and_repeated():
