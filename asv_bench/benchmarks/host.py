@@ -65,25 +65,24 @@ class ExtendLayouts:
 
 
 class DecodeBesideABusyProcess:
-    """A decode step (4k rows, 32/8 heads, hd 128) while another process
-    spins on the same cores, over the same step on a quiet machine (issue
-    17: at most 1.5x with kvreg's default thread budget)."""
+    """A decode step (4k rows, 32/8 heads, hd 128, each call from memory)
+    while another process spins on the same cores, over the same step on a
+    quiet machine timed before and after (``kvreg_tools.bench.
+    quiet_and_busy``, as ``kvreg bench decode``; issue 17: at most 1.5x with
+    kvreg's default thread budget)."""
 
     params = [common.backend_names()]
     param_names = ["backend"]
     timeout = 300
 
     def setup(self, name):
-        self.layer = common.layer(name, 4096)
         self.q = common.queries(1)[0]
-        self.layer.attend_layer(self.q)
+        self.layers = common.cold_layers(name, 4096, self.q)
 
     def track_busy_over_quiet(self, name):
-        step = lambda: self.layer.attend_layer(self.q)  # noqa: E731
-        quiet = common.best_time(step)
-        with common.busy_neighbour():
-            loaded = common.best_time(step)
-        return loaded / quiet
+        from kvreg_tools.bench import quiet_and_busy
+
+        return quiet_and_busy(lambda: self.layers.next().attend_layer(self.q), common.best_time)["ratio"]
 
     track_busy_over_quiet.unit = "x (busy neighbour / quiet)"
 
@@ -100,7 +99,8 @@ def main() -> None:
         d = DecodeBesideABusyProcess()
         d.setup(name)
         print(f"{name:10s} small call / (bytes + 10 us): append + attend_layer "
-              f"{b.track_vs_bytes_plus_10us(name):5.2f}x, append_attend {b.track_one_call_vs_bytes_plus_10us(name):5.2f}x"
+              f"{b.track_vs_bytes_plus_10us(name):5.2f}x, "
+              f"append_attend {b.track_one_call_vs_bytes_plus_10us(name):5.2f}x"
               f", decode_step {b.track_decode_step_vs_bytes_plus_10us(name):5.2f}x"
               f"   busy / quiet {d.track_busy_over_quiet(name):5.2f}x")
     for layout in ExtendLayouts.params[0]:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Sizes", "FULL", "QUICK", "TINY", "time_call", "stream_read_bandwidth", "matmul_flops",
-           "time_beside_probe", "last_level_cache_bytes", "ColdRing", "SmallModelCall", "busy_process", "run",
-           "format_report", "plot_decode", "main"]
+           "time_beside_probe", "last_level_cache_bytes", "ColdRing", "SmallModelCall", "busy_process",
+           "quiet_and_busy", "run", "format_report", "plot_decode", "main"]
 
 
 @dataclass(frozen=True)
@@ -448,18 +448,18 @@ def _decode(res, backends, sz, prog):
     for be in backends:
         prog.step(f"decode {be.name} {_rows_label(rows)} rows, quiet and beside a busy process")
         ring = layers(be, rows, "f32")
-        res["busy"].append(dict(backend=be.name, rows=rows, **_quiet_and_busy(
+        res["busy"].append(dict(backend=be.name, rows=rows, **quiet_and_busy(
             lambda: ring.next().attend_layer(q), timeit)))
         del ring
     if torch is not None:
         prog.step(f"decode torch-sdpa {_rows_label(rows)} rows, quiet and beside a busy process")
         ring, step = sdpa_ring(rows)
         with torch.no_grad():
-            res["busy"].append(dict(backend="torch-sdpa", rows=rows, **_quiet_and_busy(step, timeit)))
+            res["busy"].append(dict(backend="torch-sdpa", rows=rows, **quiet_and_busy(step, timeit)))
         del ring, step
 
 
-def _quiet_and_busy(fn, timeit) -> dict:
+def quiet_and_busy(fn, timeit) -> dict:
     """``fn`` timed quiet, beside :func:`busy_process`, then quiet again:
     the quiet time is the mean of the two, so a neighbour's drift during
     the measurement shows in neither ratio's favour."""

@@ -84,7 +84,7 @@ def test_quiet_time_is_the_mean_around_the_busy_one(monkeypatch):
     monkeypatch.setattr(bench, "busy_process", fake_busy)
     times = iter([1.0, 3.0, 2.0])
     seen = []
-    d = bench._quiet_and_busy(None, lambda fn: seen.append(bool(inside)) or next(times))
+    d = bench.quiet_and_busy(None, lambda fn: seen.append(bool(inside)) or next(times))
     assert seen == [False, True, False]
     assert d == dict(quiet_seconds=1.5, busy_seconds=3.0, ratio=2.0)
 
