@@ -326,30 +326,32 @@ class SmallModelCall:
         for lay in self.layers.items:
             lay.truncate_last(n)
 
-    def seconds(self, name: str, repeats: int = 15) -> float:
+    def seconds(self, name: str, repeats: int = 15) -> tuple[float, float]:
         """Best seconds per call over ``repeats`` rounds of two calls per
-        layer (``rows`` -> ``rows + 2``); the rows are dropped outside the
-        clock (the truncation is the benchmark's, not the call's)."""
+        layer, and the mean rows those calls read. The layers grow through
+        the rounds, as in a model's decode (cutting them back between rounds
+        would make a prepared :class:`kvreg.DecodeStep` prepare again), and
+        are cut back to ``rows`` after them, outside the clock."""
         n = 2 * len(self.layers.items)
-        best = float("inf")
-        for _ in range(max(int(repeats), 1)):
+        start = self.layers.items[0].seq_len
+        best, rows = float("inf"), start
+        for r in range(max(int(repeats), 1)):
             t0 = time.perf_counter()
             for _ in range(n):
                 self.call(name)
-            best = min(best, (time.perf_counter() - t0) / n)
-            self._drop(2)
-        return best
-
-    def bytes_read(self) -> float:
-        """K/V bytes a call reads, at its mean rows (``rows + 1.5``)."""
-        return self.layers.items[0].memory_bytes() * (self.rows + 1.5) / self.rows
+            t = (time.perf_counter() - t0) / n
+            if t < best:   # this round's calls read start + 2r + 1 and + 2r + 2 rows
+                best, rows = t, start + 2 * r + 1.5
+        self._drop(2 * max(int(repeats), 1))
+        return best, rows
 
     def vs_bytes_plus_10us(self, name: str, *, repeats: int = 15, bandwidth_bytes: int | None = None) -> dict:
         """``name``'s best time per call over its bytes read at the stream
         probe run around it (:func:`time_beside_probe`) plus 10 µs."""
-        t, bw = time_beside_probe(lambda: self.seconds(name, repeats),
-                                  bandwidth_bytes or QUICK.bandwidth_bytes)
-        return dict(seconds=t, probe_gbps=bw, ratio=t / (self.bytes_read() / (bw * 1e9) + 10e-6))
+        (t, rows), bw = time_beside_probe(lambda: self.seconds(name, repeats),
+                                          bandwidth_bytes or QUICK.bandwidth_bytes)
+        nbytes = self.layers.items[0].memory_bytes() * rows / self.layers.items[0].seq_len
+        return dict(seconds=t, probe_gbps=bw, ratio=t / (nbytes / (bw * 1e9) + 10e-6))
 
 
 def _small(res, backends, sz, prog):
