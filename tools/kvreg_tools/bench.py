@@ -297,7 +297,6 @@ class SmallModelCall:
         from kvreg.testing.fill import filled_layer
 
         rng = np.random.default_rng(5)
-        self.rows = rows
         self.q = rng.standard_normal((self.NUM_HEADS, self.HEAD_DIM)).astype(np.float32)
         self.kv = rng.standard_normal((self.NUM_KV_HEADS, self.HEAD_DIM)).astype(np.float32)
         self.layers = ColdRing.of_layers(
@@ -412,7 +411,8 @@ def _decode(res, backends, sz, prog):
                                       copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
                                       fraction=nbytes / t / 1e9 / bw))
             del ring
-    if torch is None:
+    sdpa_ok = torch is not None
+    if not sdpa_ok:
         res["peers"]["torch-sdpa"] = sdpa
     else:
         res["peers"]["torch-sdpa"] = f"torch {torch.__version__}"
@@ -425,7 +425,7 @@ def _decode(res, backends, sz, prog):
                     t, bw = probed(step)
             except Exception as exc:  # an older torch without enable_gqa
                 res["peers"]["torch-sdpa"] = f"torch {torch.__version__}: SDPA failed: {exc}"
-                torch = None
+                sdpa_ok = False
                 break
             res["decode"].append(dict(backend="torch-sdpa", kv="f32", rows=rows, seconds=t, bytes=nbytes,
                                       copies=len(ring.items), probe_gbps=bw, gbps=nbytes / t / 1e9,
@@ -453,7 +453,7 @@ def _decode(res, backends, sz, prog):
         res["busy"].append(dict(backend=be.name, rows=rows, **quiet_and_busy(
             lambda: ring.next().attend_layer(q), timeit)))
         del ring
-    if torch is not None:
+    if sdpa_ok:
         prog.step(f"decode torch-sdpa {_rows_label(rows)} rows, quiet and beside a busy process")
         ring, step = sdpa_ring(rows)
         with torch.no_grad():

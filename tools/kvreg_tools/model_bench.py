@@ -11,7 +11,8 @@ decodes two steps (numba's JIT, thread start-up), then one step on its real
 cache after the prefill. torch's thread count is held to the one the run
 started with (numba's OpenMP layer raises it on its first launch; see
 ``machine.torch_thread_resets`` in the JSON). Each config keeps growing its own
-context (position ``context + 1`` up to ``context + 1 + repeats * steps``).
+context (position ``context + 1`` up to ``context + 1 + repeats * steps``,
+twice that many steps with ``busy``).
 The prefill is timed ``repeats`` times too, round-robin, all but the last on
 throwaway caches; its figures are the medians of those rounds. With
 ``busy``, the same decode rounds run once more beside another process
