@@ -5,11 +5,12 @@ streaming-read bandwidth, numpy's float32 matmul FLOP/s, every installed
 backend, the NumPy reference, and ``torch`` SDPA when torch is importable.
 Every speed is printed next to the ratio that makes it readable on any
 machine (a decode GB/s over the bandwidth, a prefill FLOP/s over matmul, an
-append over a memcpy of the row), because absolute times on a shared, noisy
-machine say little.
+append over a memcpy of the row, a decode beside a busy process over the
+same decode quiet), because absolute times on a shared, noisy machine say
+little.
 
-``what``: ``all`` (decode, q8, prefill, append, wire), ``decode`` (decode and
-q8 only) or ``o1`` (the accuracy table of :mod:`kvreg_tools.o1_report`; with
+``what``: ``all`` (decode, q8, busy, small call, prefill, append, wire),
+``decode`` (decode, q8, busy and small call only) or ``o1`` (the accuracy table of :mod:`kvreg_tools.o1_report`; with
 ``--real`` on the captured real-model Q/K/V instead of the generator).
 :func:`run` returns every figure as a JSON-able dict; :func:`main` is the CLI.
 Tests pass a tiny :class:`Sizes` through ``args.sizes``.
