@@ -10,7 +10,6 @@ Data comes from seeded generators cached per process, so a benchmark's
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import numpy as np
@@ -101,13 +100,3 @@ def matmul_flops() -> float:
     from kvreg_tools.bench import matmul_flops as mf
 
     return mf(quick=True)
-
-
-@contextlib.contextmanager
-def busy_neighbour():
-    """Another process spinning on a core while inside (issue 17's competing
-    process: ``kvreg_tools.bench.busy_process``)."""
-    from kvreg_tools.bench import busy_process
-
-    with busy_process():
-        yield

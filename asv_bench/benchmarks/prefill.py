@@ -88,7 +88,9 @@ class ChunkVsSDPA:
         return self._ratio()
 
     def track_vs_sdpa_beside_a_busy_process(self, name):
-        with common.busy_neighbour():
+        from kvreg_tools.bench import busy_process
+
+        with busy_process():
             return self._ratio()
 
     track_vs_sdpa.unit = track_vs_sdpa_beside_a_busy_process.unit = "x torch SDPA (target <= 1)"

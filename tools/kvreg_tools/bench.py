@@ -10,8 +10,9 @@ same decode quiet), because absolute times on a shared, noisy machine say
 little.
 
 ``what``: ``all`` (decode, q8, busy, small call, prefill, append, wire),
-``decode`` (decode, q8, busy and small call only) or ``o1`` (the accuracy table of :mod:`kvreg_tools.o1_report`; with
-``--real`` on the captured real-model Q/K/V instead of the generator).
+``decode`` (decode, q8, busy and small call only) or ``o1`` (the accuracy
+table of :mod:`kvreg_tools.o1_report`; with ``--real`` on the captured
+real-model Q/K/V instead of the generator).
 :func:`run` returns every figure as a JSON-able dict; :func:`main` is the CLI.
 Tests pass a tiny :class:`Sizes` through ``args.sizes``.
 """

@@ -358,20 +358,20 @@ def run(model_name: str, *, context: int = 4096, steps: int = 16, repeats: int =
         r.do_prefill(clock, ids)
         r.do_step(clock, None)       # warm-up, untimed
         say(f"prefill {r.cfg.name}: {time.perf_counter() - t0:.1f} s")
-    for rnd in range(repeats):
-        for r in runners:
-            for _ in range(steps):
-                r.do_step(clock, rnd)
-        say(f"round {rnd + 1}/{repeats} done")
+
+    def rounds(busy_steps: bool, what: str) -> None:
+        for rnd in range(repeats):
+            for r in runners:
+                for _ in range(steps):
+                    r.do_step(clock, rnd, busy=busy_steps)
+            say(f"round {rnd + 1}/{repeats}{what} done")
+
+    rounds(False, "")
     if busy:
         from kvreg_tools.bench import busy_process
 
         with busy_process():
-            for rnd in range(repeats):
-                for r in runners:
-                    for _ in range(steps):
-                        r.do_step(clock, rnd, busy=True)
-                say(f"round {rnd + 1}/{repeats} beside a busy process done")
+            rounds(True, " beside a busy process")
     summary = {r.cfg.name: summarize(r) for r in runners}
     backend_name = next((r.cache.backend_name for r in runners if r.cfg.kind == "kvreg"), None)
     ref = next((r.tokens for r in runners if r.cfg.kind == "dynamic"), None)
