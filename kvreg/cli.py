@@ -218,7 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--report", default=None, metavar="FILE.json")
     cp.add_argument("--junit", default=None, metavar="FILE.xml")
     cp.add_argument("-k", dest="keyword", default=None, metavar="EXPR")
-    cp.add_argument("--quick", action="store_true", help="the quick profile (< 60 s per backend)")
+    cp.add_argument("--profile", choices=("quick", "default", "full"), default=None,
+                    help="how thorough: quick (the quick cases, few examples), default, full (many examples); "
+                         "default: KVREG_PROFILE or 'default'")
+    cp.add_argument("--quick", action="store_true", help="the same as --profile quick")
     cp.set_defaults(func=_cmd_conformance)
 
     errors = _register_plugins(sub)

@@ -1,7 +1,7 @@
 """``kvreg conformance``: run the conformance suite per backend and device.
 
 ``run(args)`` takes the namespace ``kvreg.cli`` parses (``backend``,
-``device``, ``report``, ``junit``, ``keyword``, ``quick``). Each selected
+``device``, ``report``, ``junit``, ``keyword``, ``profile``). Each selected
 (backend, device) pair runs ``python -m pytest <suite> --kvreg-backend B
 --kvreg-device D`` in its own subprocess (a backend's device context, a
 crash or a leak stays in its process), with pytest's progress shown live
@@ -18,8 +18,9 @@ cannot start where no device was claimed (an explicit ``--device``, or
 ``devices()`` itself failing) skips with its reason.
 
 ``--backend all`` (the default) runs every registered backend on every
-device its ``devices()`` lists. ``--quick`` selects the ``quick`` marker and
-the short hypothesis profile. The suite is the installed
+device its ``devices()`` lists. ``--profile`` (default ``KVREG_PROFILE``)
+says how thorough: ``quick`` (``--quick``) the cases marked quick with few
+hypothesis examples, ``full`` every case with many. The suite is the installed
 :mod:`kvreg.conformance` package, or the folder ``KVREG_CONFORMANCE_DIR``.
 """
 
@@ -71,6 +72,16 @@ def targets(backend: str | None, device: str | None) -> tuple[list[tuple[str, st
     return out, warnings
 
 
+def chosen_profile(args) -> str:
+    """The profile of a run: ``--quick``, else ``--profile``, else ``KVREG_PROFILE``, else ``default``."""
+    if getattr(args, "quick", False):
+        return "quick"
+    chosen = getattr(args, "profile", None) or os.environ.get("KVREG_PROFILE", "").strip() or "default"
+    if chosen not in ("quick", "default", "full"):
+        raise ValueError(f"KVREG_PROFILE={chosen!r}: expected quick, default or full")
+    return chosen
+
+
 def _pytest_cmd(suite: Path, name: str, device: str | None, args, junit: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", str(suite), "--kvreg-backend", name, "-p", "no:cacheprovider",
            "-q", "-rfE", "--tb=short", f"--rootdir={suite.parent}"]
@@ -78,8 +89,7 @@ def _pytest_cmd(suite: Path, name: str, device: str | None, args, junit: str | N
         cmd += ["--kvreg-device", device]
     if getattr(args, "keyword", None):
         cmd += ["-k", args.keyword]
-    if getattr(args, "quick", False):
-        cmd += ["-m", "quick"]
+    cmd += ["--kvreg-profile", chosen_profile(args)]
     if junit:
         cmd += [f"--junitxml={junit}"]
     return cmd
@@ -91,8 +101,6 @@ def run_one(suite: Path, name: str, device: str | None, args, tmp: Path, idx: in
     junit = str(tmp / f"junit-{idx}.xml") if getattr(args, "junit", None) else None
     env = dict(os.environ)
     env["KVREG_CONFORMANCE_SIDE"] = str(side)
-    if getattr(args, "quick", False):
-        env["KVREG_CONFORMANCE_PROFILE"] = "quick"
     root = str(suite.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.perf_counter()
@@ -165,6 +173,11 @@ def run(args) -> int:
     from .errors import BackendError
 
     try:
+        chosen_profile(args)
+    except ValueError as exc:
+        print(f"kvreg conformance: {exc}", file=sys.stderr)
+        return 2
+    try:
         pairs, warnings = targets(getattr(args, "backend", None), getattr(args, "device", None))
     except BackendError as exc:
         print(f"kvreg conformance: {exc}", file=sys.stderr)
@@ -182,7 +195,7 @@ def run(args) -> int:
         tmp = Path(tmpd)
         for i, (name, device) in enumerate(pairs):
             banner = f"[{i + 1}/{len(pairs)}] {name} on {device or 'its default device'}"
-            print(f"\n=== {banner} {'(quick profile)' if getattr(args, 'quick', False) else ''}", flush=True)
+            print(f"\n=== {banner} ({chosen_profile(args)} profile)", flush=True)
             rec = run_one(suite, name, device, args, tmp, i)
             rec["claimed"] = (name, device) in claimed
             records.append(rec)
@@ -192,7 +205,7 @@ def run(args) -> int:
     print(table(records))
     if getattr(args, "report", None):
         clean = [{k: v for k, v in r.items() if k != "junit"} for r in records]
-        Path(args.report).write_text(json.dumps({"runs": clean, "quick": bool(getattr(args, "quick", False)),
+        Path(args.report).write_text(json.dumps({"runs": clean, "profile": chosen_profile(args),
                                                  "keyword": getattr(args, "keyword", None)}, indent=1))
     failed = [r for r in records if _failed(r)]
     if failed:

@@ -2,8 +2,8 @@
 
 Each is a :class:`~kvreg.reference.ReferenceBackend` with one realistic bug.
 Loaded as a pytest plugin (``-p broken_backends``, with ``tests/`` on the
-path) it registers them with kvreg for that process only, through the same
-pluggy hook a real plugin uses.
+path) it registers them with kvreg for that pytest session only, through the
+same pluggy hook a real plugin uses.
 """
 
 from __future__ import annotations
@@ -219,4 +219,12 @@ class _KvregPlugin:
 
 
 PLUGIN = _KvregPlugin()
-registry.register_plugin(PLUGIN)
+
+
+def pytest_configure(config):
+    registry.register_plugin(PLUGIN)
+
+
+def pytest_unconfigure(config):
+    # A run inside the process of another (pytester) leaves the registry as it found it.
+    registry.unregister_plugin(PLUGIN)

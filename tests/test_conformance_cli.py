@@ -32,7 +32,10 @@ def test_unknown_backend_exits_two(capsys):
 
 def test_a_failing_backend_exits_one_and_reports_the_failure(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
-    import broken_backends  # noqa: F401  (registers the broken backends in this process)
+    import broken_backends
+    from kvreg import registry
+
+    registry.register_plugin(broken_backends.PLUGIN)   # the parent must know the name it is asked for
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))
     monkeypatch.setenv("PYTEST_ADDOPTS", "-p broken_backends")
@@ -41,8 +44,6 @@ def test_a_failing_backend_exits_one_and_reports_the_failure(tmp_path, monkeypat
         rc = conformance_cli.run(args(backend="broken_round", keyword="quantize_rows_rounds_ties",
                                       report=str(report)))
     finally:
-        from kvreg import registry
-
         registry.unregister_plugin(broken_backends.PLUGIN)
     assert rc == 1
     assert json.loads(report.read_text())["runs"][0]["outcomes"]["failed"] == 2

@@ -5,14 +5,17 @@ import pytest
 
 from kvreg import KvMode, LayerKvCache, ShapeError
 from kvreg.testing import startable_backends
+from pairwise import params
 
 
-@pytest.mark.parametrize("mode", list(KvMode))
-@pytest.mark.parametrize("chunks", [(150,), (10, 54, 1, 85), (63, 1, 1, 85), (64, 86)])
-@pytest.mark.parametrize("alive", [[True, False, True], [True, True, True], None],
-                         ids=["dead-head", "all-alive", "alive-none"])
-@pytest.mark.parametrize("hd", [40, 32], ids=["hd40", "hd32-rotated"])
-@pytest.mark.parametrize("exact_rows", [1, 20], ids=["sink1", "sinks20"])   # 20: past the float16 window
+ALIVE = {None: "alive-none", (True, False, True): "dead-head", (True, True, True): "all-alive"}
+
+
+@pytest.mark.parametrize("mode,chunks,alive,hd,exact_rows", params(
+    list(KvMode), [(150,), (10, 54, 1, 85), (63, 1, 1, 85), (64, 86)], list(ALIVE),
+    [40, 32], [1, 20],   # 32: a rotated head size; 20 sink rows: past the float16 window
+    ids=[lambda m: m.value, lambda c: "+".join(map(str, c)), ALIVE.get, lambda h: f"hd{h}",
+         lambda x: f"sinks{x}"]))
 def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive, hd, exact_rows):
     # all-alive: one-row appends past a full float16 window take the general
     # path's one-row window shift; alive None: append's decode hot paths

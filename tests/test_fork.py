@@ -5,7 +5,6 @@ every other member bit-identical to a deep copy that saw the same calls.
 """
 
 import copy
-import os
 
 import numpy as np
 import pytest
@@ -71,13 +70,13 @@ OPS = ["append", "extend", "attend", "truncate", "trim", "evict", "evict_born", 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["f32", "f16", "q8", "q4"])
-@pytest.mark.parametrize("sharing", ["pages", "arrays", "mixed"])
+# mixed (both kinds of sharing meet) by default; each kind alone in the full tier
+@pytest.mark.parametrize("sharing", [pytest.param("pages", marks=pytest.mark.full_product),
+                                     pytest.param("arrays", marks=pytest.mark.full_product), "mixed"])
 def test_forks_and_parent_mutated_in_random_order_match_deep_copies(backend, mode, sharing, monkeypatch):
     # pages: every fork maps one snapshot (kvreg._snapshot); arrays: small
     # layers (or no memfd) share the arrays until the first write; mixed:
     # layers cross the threshold as they grow, so both kinds meet
-    if sharing != "mixed" and os.environ.get("KVREG_SLOW", "") in ("", "0"):
-        pytest.skip("mixed (both kinds of sharing) by default; each kind alone with KVREG_SLOW=1")
     threshold = {"pages": 0, "arrays": 1 << 62, "mixed": 32 << 10}[sharing]
     monkeypatch.setattr(kvreg._snapshot, "MIN_BYTES", threshold)
     rng = np.random.default_rng(hash((backend, mode)) % 2**32)

@@ -8,7 +8,7 @@ pip-installed into a temporary folder, and ``pytest --pyargs kvreg.conformance
 
 The toy's broken twin (``kvreg_toy.broken``, registered with ``-p`` for one
 run) must fail the same suite naming its kernel: the passing run is not
-vacuous. Quick profile (``-m quick``), which exercises every kernel the toy
+vacuous. Quick profile (``--kvreg-profile quick``), which exercises every kernel the toy
 overrides; the full suite passes on the toy too (``kvreg conformance
 --backend toy``).
 """
@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.suite_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 TOY = ROOT / "examples" / "toy_backend"
@@ -53,13 +55,13 @@ def suite_env(*sites: Path) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "KVREG_BACKEND", "KVREG_DEVICE",
                         "KVREG_CONFORMANCE_XFAIL_DIR", "KVREG_CONFORMANCE_SIDE")}
-    env.update(PYTHONPATH=os.pathsep.join(str(s) for s in sites), KVREG_CONFORMANCE_PROFILE="quick")
+    env.update(PYTHONPATH=os.pathsep.join(str(s) for s in sites))
     return env
 
 
 def run_installed_suite(tmp: Path, sites: tuple, backend: str, *extra: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "kvreg.conformance", "--kvreg-backend", backend,
-           "-p", "no:cacheprovider", "-q", "--tb=line", "-m", "quick", *extra]
+           "-p", "no:cacheprovider", "-q", "--tb=line", "--kvreg-profile", "quick", *extra]
     proc = subprocess.run(cmd, cwd=tmp, env=suite_env(*sites), capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 

@@ -10,7 +10,6 @@ the last shipped state with no token lost or repeated.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,6 @@ from kvreg.models import load  # noqa: E402
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 NEW = 20
 MODEL = "smollm2-135m"
-SLOW = pytest.mark.skipif(os.environ.get("KVREG_SLOW", "") in ("", "0"), reason="slow: set KVREG_SLOW=1")
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +225,7 @@ def test_the_module_needs_ray_and_says_how_to_get_it():
     assert out.startswith("ConfigError") and "pip install 'kvreg[ray]'" in out, out
 
 
-@pytest.mark.slow
-@SLOW
+@pytest.mark.real_models
 @pytest.mark.parametrize("mode", ["f16", "q4"])
 def test_long_handoff_with_a_born_budget(workers, lm, mode):
     """A 96-token run on a Born(4) budget of 32 rows per layer: the decode

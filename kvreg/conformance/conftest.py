@@ -3,7 +3,9 @@
 Options (added by :mod:`kvreg.conformance.plugin`, kvreg's ``pytest11``
 entry point, so they exist before this conftest loads): ``--kvreg-backend NAME`` (default ``KVREG_BACKEND`` or
 ``reference``), ``--kvreg-device SPEC`` (default ``KVREG_DEVICE``, else the
-backend's own default). A backend that cannot start skips every case with
+backend's own default), ``--kvreg-profile quick|default|full`` (default
+``KVREG_PROFILE``: ``quick`` runs the cases marked quick with few hypothesis
+examples, ``full`` every case with many). A backend that cannot start skips every case with
 the reason instead of erroring.
 
 Known gaps are data, read from two lists (both apply):
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from .checks import WORST, Checker
+from .plugin import profile
 
 if TYPE_CHECKING:
     from kvreg.plugin import Backend
@@ -51,15 +54,17 @@ def _selected(config) -> tuple[str, str | None]:
     return name.lower(), device
 
 
+#: Hypothesis examples per property, by profile (``--kvreg-profile``).
+EXAMPLES = {"quick": 8, "default": 25, "full": 200}
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "quick: part of the quick profile (kvreg conformance --quick)")
+    config.addinivalue_line("markers", "quick: part of the quick profile (--kvreg-profile quick)")
     from hypothesis import HealthCheck, settings
 
-    slow = os.environ.get("KVREG_SLOW", "") not in ("", "0")
-    quick = os.environ.get("KVREG_CONFORMANCE_PROFILE", "") == "quick"
     settings.register_profile(
         "kvreg-conformance", deadline=None, derandomize=True, print_blob=True,
-        max_examples=200 if slow else (8 if quick else 25),
+        max_examples=EXAMPLES[profile(config)],
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
     settings.load_profile("kvreg-conformance")
@@ -169,6 +174,11 @@ def pytest_collection_modifyitems(config, items):
     # stale against every collected case, not against this run's selection.
     _STATE["stale_entries"] = [(s, p, r) for s, p, r in entries if (s, p) not in used]
     _STATE["stale"] = [f"{s}: {p}  # {r}" for s, p, r in _STATE["stale_entries"]]
+    if profile(config) == "quick":
+        others = [item for item in items if item.get_closest_marker("quick") is None]
+        if others:
+            config.hook.pytest_deselected(items=others)
+            items[:] = [item for item in items if item.get_closest_marker("quick") is not None]
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -202,6 +212,31 @@ def ref():
     import kvreg
 
     return kvreg.get_backend("reference")
+
+
+def _shrinks(cls: type[Backend] | None) -> bool:
+    from kvreg.plugin import Backend
+
+    return cls is not None and cls.small_tunables is not Backend.small_tunables
+
+
+def pytest_generate_tests(metafunc):
+    # A case that asks for ``tunables`` runs at the backend's own tunables
+    # and, where it offers them, at its small ones (multi-block paths).
+    if "tunables" in metafunc.fixturenames and _shrinks(_backend_class(_STATE["name"])):
+        metafunc.parametrize("tunables", ["default", "small"], indirect=True,
+                             ids=["tunables-default", "tunables-small"])
+
+
+@pytest.fixture
+def tunables(request, backend):
+    """The case runs at the backend's tunables, or (``small``) inside
+    :meth:`~kvreg.plugin.Backend.small_tunables`."""
+    if getattr(request, "param", "default") == "small":
+        with backend.small_tunables():
+            yield "small"
+    else:
+        yield "default"
 
 
 @pytest.fixture

@@ -11,6 +11,9 @@ from kvreg.errors import KvregError
 
 from .data import ALL_MODES, filled, queries, rng_rows
 
+# Each case runs at the backend's tunables and at its small ones (conftest.py).
+pytestmark = pytest.mark.usefixtures("tunables")
+
 MODE_IDS = [m.value for m in ALL_MODES]
 
 

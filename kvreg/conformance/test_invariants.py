@@ -14,6 +14,9 @@ from kvreg import KvMode, LayerKvCache
 
 from .data import AGELESS_MODES, ALL_MODES, EXACT_ROWS, filled, queries, rng_rows
 
+# Each case runs at the backend's tunables and at its small ones (conftest.py).
+pytestmark = pytest.mark.usefixtures("tunables")
+
 MODE_IDS = [m.value for m in ALL_MODES]
 OPTS = {
     "plain": {},

@@ -2,7 +2,7 @@
 compared after every step: storage bit for bit, attention within tolerance.
 
 Bounded by the hypothesis profile of conftest.py (a few dozen examples; 200
-with KVREG_SLOW=1). Layer importance is fed only through ``accumulate_imp``
+with --kvreg-profile full). Layer importance is fed only through ``accumulate_imp``
 (attends use their own accumulators), so both layers' importance stays bit
 identical and ``evict_born`` must pick the same rows on both.
 """

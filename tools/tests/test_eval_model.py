@@ -5,14 +5,10 @@ Moved from tests/test_transformers_integration.py with the harness.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
-
-SLOW = os.environ.get("KVREG_SLOW", "") not in ("", "0")
 
 
 def test_kvreg_eval_scores_against_f32_and_writes_json_markdown_plot(tmp_path):
@@ -38,7 +34,8 @@ def test_kvreg_eval_scores_against_f32_and_writes_json_markdown_plot(tmp_path):
     assert (tmp_path / "kl.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("model", ["smollm2-135m"] + (["gemma3-270m"] if SLOW else []))
+@pytest.mark.real_models
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_the_seal_beats_born_and_sinks_window_at_equal_bytes(model):
     """The O(1) seal through the transformers integration, against Born and
     sinks + window given at least its bytes (kvreg.tiered_seal.equal_rows),

@@ -238,6 +238,11 @@ class NumbaBackend(ReferenceBackend):
         self._windows = {}   # id -> (float16 window, its int16 view): _bits
         self._rows = None  # batch rows, built at the first attend_batch
 
+    def small_tunables(self):
+        from . import config
+
+        return config.small()
+
     def describe(self) -> str:
         import numba
         from kvreg.threads import get_num_threads

@@ -9,6 +9,7 @@ The compile-time flags (``FASTMATH``, ``CACHE``) are read once, when
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 #: Rows per decode block. Each block's K rows are read once for every head
@@ -141,3 +142,21 @@ BANDWIDTH_BYTES = 512 << 20
 #: decode (the tests run it too). Read once, when the kernels are imported.
 #: ``KVREG_NUMBA_F16_FPEXT``.
 F16_FPEXT = os.environ.get("KVREG_NUMBA_F16_FPEXT", "auto").strip().lower()
+
+#: Small values of the block sizes (``NumbaBackend.small_tunables``, the
+#: conformance suite and the tests): a few dozen rows then take every
+#: multi-block path (several decode blocks, prefill tiles, ring blocks).
+SMALL = {"DECODE_BLOCK": 4, "CHUNK_Q_TILE": 3, "CHUNK_TILE_BYTES": 1 << 20, "BOUNDED_BLOCK": 5,
+         "NYSTROM_PREFILL_ROWS": 7}
+
+
+@contextlib.contextmanager
+def small():
+    """Inside the block the tunables of :data:`SMALL` take its values (read
+    at call time, so nothing recompiles)."""
+    saved = {name: globals()[name] for name in SMALL}
+    globals().update(SMALL)
+    try:
+        yield
+    finally:
+        globals().update(saved)

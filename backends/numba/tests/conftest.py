@@ -15,9 +15,6 @@ def small_blocks(monkeypatch):
     """Shrink the tunables so a few dozen rows take the multi-block paths."""
     from kvreg_numba import config
 
-    monkeypatch.setattr(config, "DECODE_BLOCK", 4)
-    monkeypatch.setattr(config, "CHUNK_Q_TILE", 3)
-    monkeypatch.setattr(config, "CHUNK_TILE_BYTES", 1 << 20)
-    monkeypatch.setattr(config, "BOUNDED_BLOCK", 5)
-    monkeypatch.setattr(config, "NYSTROM_PREFILL_ROWS", 7)
+    for name, value in config.SMALL.items():
+        monkeypatch.setattr(config, name, value)
     return config

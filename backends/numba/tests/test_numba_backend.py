@@ -28,42 +28,6 @@ def test_native_kernels_are_listed():
         assert k in native
 
 
-@pytest.mark.parametrize("mode", ["f32", "q8", "q8k", "q8v"])
-def test_storage_and_attend_layer_agree_with_the_reference(mode):
-    a, r = _layers(mode)
-    # quantize_rows is exact class: the stored rows are the same bits.
-    for name in a._st.block_names():
-        np.testing.assert_array_equal(getattr(a._st, name)[:, :80], getattr(r._st, name)[:, :80])
-    q = np.random.default_rng(9).standard_normal((8, 64)).astype(np.float32)
-    oa = a.attend_layer(q, window=50)
-    orf = r.attend_layer(q, window=50)
-    np.testing.assert_allclose(oa, orf, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("mode", ["f32", "q8"])
-def test_attend_group_upto_and_importance_agree_with_the_reference(mode):
-    a, r = _layers(mode, rows=70)
-    q = np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32)
-    ia = np.zeros(70, np.float32)
-    ir = np.zeros(70, np.float32)
-    oa = a.attend_group(q, 1, scale=0.125, first=5, softcap=8.0, upto=60, imp_acc=ia)
-    orf = r.attend_group(q, 1, scale=0.125, first=5, softcap=8.0, upto=60, imp_acc=ir)
-    np.testing.assert_allclose(oa, orf, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(ia, ir, rtol=1e-4, atol=1e-6)
-
-
-def test_attend_chunk_agrees_with_the_reference():
-    rng = np.random.default_rng(4)
-    nkv, hpk, hd, s0, b = 2, 4, 64, 40, 24
-    a, r = _layers("f32", rows=s0 + b, nkv=nkv, hd=hd)
-    q = rng.standard_normal((b, nkv * hpk, hd)).astype(np.float32)
-    for window in (None, 16):
-        oa = a.attend_chunk(q, b, s0, hpk, window=window)
-        orf = r.attend_chunk(q, b, s0, hpk, window=window)
-        np.testing.assert_allclose(oa, orf, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(a._st.imp, r._st.imp, rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.parametrize("mode", ["f32", "q8"])
 def test_the_kept_kernel_arguments_follow_every_reallocation_and_fork(mode):
     """The decode kernel's storage arguments are kept on the rows' owner

@@ -149,6 +149,7 @@ sys.stdout.write(f"{chunk.LANES} {o.tobytes().hex()} {imp.tobytes().hex()}")
 """
 
 
+@pytest.mark.cold_jit
 def test_the_tiles_give_the_same_bits_on_avx2_as_on_avx512(tmp_path):
     # The vector width decides which products share an instruction, never
     # an operation's order: an AVX2 compile (8 lanes, 6 x 2 value vectors)

@@ -224,6 +224,7 @@ print("ok")
 """
 
 
+@pytest.mark.cold_jit
 def test_the_integer_binary16_decode_in_the_whole_kernel(tmp_path):
     """``KVREG_NUMBA_F16_FPEXT=0`` (and a CPU without F16C) decode binary16 in
     integer arithmetic: the same bits through the whole decode kernel."""

@@ -112,6 +112,11 @@ class OpenCLBackend(ReferenceBackend):
                 pass
 
     # -- bookkeeping --------------------------------------------------------
+    def small_tunables(self):
+        from . import config
+
+        return config.small()
+
     def describe(self) -> str:
         i = self._dev.info
         q = "" if self._native_quant else ", quantize_rows on the reference (no exact fp32 division)"

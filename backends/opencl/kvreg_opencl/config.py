@@ -12,6 +12,8 @@ on the visible span only, never on the head count or the row offset.
 
 from __future__ import annotations
 
+import contextlib
+
 #: Work-items per work-group of the attend kernels (dim 0); None = by device
 #: kind (below). PoCL runs a work-group as a loop on one core, so a CPU wants
 #: few work-items; a GPU wants at least a warp/wavefront.
@@ -82,3 +84,19 @@ QUANT_OPTIONS: tuple[str, ...] = ("-cl-fp32-correctly-rounded-divide-sqrt",)
 #: docs/opencl.md), so a CPU-only deployment may want False. Read when the
 #: backend is created.
 NYSTROM_ON_DEVICE: bool | None = None
+
+#: Small values (``OpenCLBackend.small_tunables``, the conformance suite and
+#: the tests): a few dozen rows then take the multi-block, multi-chunk and
+#: mirror-growth paths.
+SMALL = {"BLOCK_ROWS": 8, "LOCAL_SIZE": 4, "HEADS_PER_WG": 2, "CHUNK_TOKENS": 3, "MIRROR_MIN_ROWS": 4}
+
+
+@contextlib.contextmanager
+def small():
+    """Inside the block the tunables of :data:`SMALL` take its values."""
+    saved = {name: globals()[name] for name in SMALL}
+    globals().update(SMALL)
+    try:
+        yield
+    finally:
+        globals().update(saved)

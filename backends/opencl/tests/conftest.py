@@ -23,8 +23,6 @@ def small_blocks(monkeypatch):
     """Tiny tunables so multi-block / multi-chunk paths run on small inputs."""
     from kvreg_opencl import config
 
-    monkeypatch.setattr(config, "BLOCK_ROWS", 8)
-    monkeypatch.setattr(config, "LOCAL_SIZE", 4)
-    monkeypatch.setattr(config, "HEADS_PER_WG", 2)
-    monkeypatch.setattr(config, "CHUNK_TOKENS", 3)
-    monkeypatch.setattr(config, "MIRROR_MIN_ROWS", 4)
+    for name, value in config.SMALL.items():
+        monkeypatch.setattr(config, name, value)
+    return config
