@@ -12,6 +12,7 @@ import pathlib
 import struct
 import time
 import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
@@ -577,17 +578,33 @@ def test_cache_container_round_trips_layer_blobs():
 
 
 def test_cache_container_layout():
-    assert encode_cache([b"ab", b""]) == b"KVRC" + u32(1, 2) + u64(2) + b"ab" + u64(0)
+    # version 2: a CRC-32 (zlib's) of each layer blob after it
+    assert encode_cache([b"ab", b""]) == (b"KVRC" + u32(2, 2) + u64(2) + b"ab" + u32(zlib.crc32(b"ab"))
+                                          + u64(0) + u32(0))
+
+
+def test_a_version_1_container_still_reads():
+    # what a kvreg before the checksums wrote: no CRC after each blob
+    assert decode_cache(b"KVRC" + u32(1, 2) + u64(2) + b"ab" + u64(0)) == [b"ab", b""]
+
+
+def crc(b):
+    return u32(zlib.crc32(b))
 
 
 @pytest.mark.parametrize("blob,meaning", [
-    (b"KVRD" + u32(1, 0), "magic"),
-    (b"KVRC" + u32(2, 0), "cache container version 2"),
-    (b"KVRC" + u32(1), "truncated record"),
-    (b"KVRC" + u32(1, 0xFFFFFFFF), "4294967295 layer length fields"),
-    (b"KVRC" + u32(1, 1) + u64(5) + b"abcd", "truncated payload"),
+    (b"KVRD" + u32(2, 0), "magic"),
+    (b"KVRC" + u32(3, 0), "cache container version 3, this runtime speaks 1 and 2"),
+    (b"KVRC" + u32(2), "truncated record"),
+    (b"KVRC" + u32(2, 0xFFFFFFFF), "4294967295 layer length fields"),
+    (b"KVRC" + u32(2, 1) + u64(5) + b"abcd", "truncated payload"),
+    (b"KVRC" + u32(2, 1) + u64(4) + b"abcd", "truncated payload: layer 0 blob (4 bytes) and its CRC-32"),
+    (b"KVRC" + u32(2, 1) + u64(1) + b"a" + crc(b"a") + b"b", "1 trailing byte(s)"),
     (b"KVRC" + u32(1, 1) + u64(1) + b"ab", "1 trailing byte(s)"),
-], ids=["magic", "version", "short header", "huge count", "short blob", "trailing"])
+    (b"KVRC" + u32(2, 2) + u64(1) + b"a" + crc(b"a") + u64(2) + b"bX" + crc(b"bc"),
+     "layer 1's blob (bytes 33..34 of the container) fails its CRC-32"),
+], ids=["magic", "version", "short header", "huge count", "short blob", "no crc", "trailing", "v1 trailing",
+        "changed blob"])
 def test_cache_container_refusals(blob, meaning):
     with pytest.raises(WireError, match=meaning.replace("(", r"\(").replace(")", r"\)")):
         decode_cache(blob)
@@ -611,7 +628,15 @@ def test_inspect_says_what_is_broken_and_where():
 def test_inspect_walks_a_cache_container():
     report = inspect(encode_cache([HAND_BUILT["bounded_f16"], HAND_BUILT["linear_f16flag"][:40]]))
     assert "2 layer(s)" in report and "Bounded record" in report
-    assert report.splitlines()[-1].startswith("ERROR: layer blob 1 (at byte 176 of the container)")
+    assert report.splitlines()[-1].startswith("ERROR: layer blob 1 (at byte 180 of the container)")
+    assert "cache container v2" in report
+
+
+def test_inspect_names_a_container_blob_changed_in_transit():
+    blob = bytearray(encode_cache([HAND_BUILT["full_f32"], HAND_BUILT["linear_f16flag"]]))
+    blob[12 + 8 + 80] ^= 0x10   # a K payload byte of layer 0 (its record is still well formed)
+    last = inspect(bytes(blob)).splitlines()[-1]
+    assert last.startswith("ERROR: kv import: layer 0's blob (bytes 20..") and "fails its CRC-32" in last
 
 
 def test_inspect_ends_a_sound_container_with_ok():
