@@ -179,7 +179,7 @@ def test_fulltail_base_past_2_53_is_refused():
 
 # ── a record of positions with no rows ──
 
-def test_a_record_with_positions_but_no_rows_keeps_export_and_eviction_working():
+def test_a_record_with_positions_but_no_rows_is_an_empty_prefix_that_keeps_export_and_eviction_working():
     st = LayerState(WireKind.Full, 0, 0, 7, 0, 7, 2, 4, k=[np.zeros((0, 4), np.float32)] * 2,
                     v=[np.zeros((0, 4), np.float32)] * 2)
     c = KvCache(1, 2, 4, 8, mode=KvMode.F32, backend="reference")
@@ -187,15 +187,15 @@ def test_a_record_with_positions_but_no_rows_keeps_export_and_eviction_working()
     from kvreg.wire import encode_layer
 
     layer.import_wire(encode_layer(st, f16=False))
-    assert layer.seq_len == 7 and layer.imp.size == 7
-    layer.append(np.ones(8, np.float32), np.ones(8, np.float32))
-    layer.export_wire()
+    # the seven positions are a prefix that holds nothing, as after a trim
+    assert (layer.base, layer.seq_len, layer.pos_len, layer.imp.size) == (7, 0, 7, 0)
+    assert c.seq_len == 7 and layer.reserved_bytes() == 0
+    for _ in range(9):
+        layer.append(np.ones(8, np.float32), np.ones(8, np.float32))
+    assert layer.export_wire()[20] == WireKind.FullTail and layer.pos_len == 16
     assert c.needs_eviction()
-    for _ in range(3):   # a host loop: evict until under the cap
-        if not c.needs_eviction():
-            break
-        c.evict(4)
-    assert not c.needs_eviction() and layer.seq_len == 4
+    c.evict(4)   # eviction reaches the rows, and brings the layer under the cap
+    assert not c.needs_eviction() and layer.seq_len == 4 and layer.pos_len == 11
 
 
 # ── legacy bodies ──
