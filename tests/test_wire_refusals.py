@@ -1,7 +1,6 @@
 """Wire refusals are WireErrors raised before any layer changes, for whole
 caches as for layers (issue 18, items 1, 5, 6 and 9)."""
 
-import os
 import struct
 
 import numpy as np
@@ -14,7 +13,6 @@ from kvreg.bounded import BoundedRope, BoundedWeights
 from kvreg.wire import decode_cache, encode_cache, encode_full_body, LayerState
 
 NKV, HD, W = 2, 4, 4
-FUZZ = int(os.environ.get("KVREG_FUZZ_EXAMPLES", "2000" if os.environ.get("KVREG_FUZZ_LONG") else "60"))
 
 
 def make_cache(seed, rows=6, inserts=5):
@@ -99,10 +97,22 @@ def test_f16_export_of_a_ring_value_above_65504_is_refused():
     assert d.layers[1].bounded.ring_v[1, 2, 3] == 65504.0
 
 
-@settings(max_examples=FUZZ, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=hs.data())
 def test_fuzzed_containers_either_install_whole_or_change_nothing(data):
+    fuzzed_container_installs_whole_or_changes_nothing(data)
+
+
+@pytest.mark.long_fuzz
+@settings(max_examples=2000, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=hs.data())
+def test_long_fuzzed_containers_either_install_whole_or_change_nothing(data):
+    fuzzed_container_installs_whole_or_changes_nothing(data)
+
+
+def fuzzed_container_installs_whole_or_changes_nothing(data):
     src = make_cache(1, inserts=data.draw(hs.integers(0, 9)))
     blob = bytearray(src.export_wire(f16=data.draw(hs.booleans())))
     # Most mutations land after the first layer's record: a bad record after good ones.

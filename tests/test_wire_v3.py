@@ -5,12 +5,11 @@ read from ``KvMode``, so a mode added later is covered once its storage
 declares its blocks), the freeze state of the 2f modes, the mode policy
 (v2 into another mode = extend; v3 into another mode refused), every
 refusal before any state changes, v2 compatibility, the cache container,
-inspect, and a fuzz run (``KVREG_FUZZ_LONG=1`` for a long one).
+inspect, and a fuzz run (a long one in the ``long_fuzz`` tier).
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import struct
 import subprocess
@@ -32,7 +31,6 @@ from kvreg.wire import (
 )
 from kvreg._wire_layer import storage_schema
 
-LONG = os.environ.get("KVREG_FUZZ_LONG") == "1"
 MODES = [m for m in KvMode if m is not KvMode.F32]
 IDS = [m.value for m in MODES]
 NKV, HD, EXACT = 2, 40, 2   # hd 40: two K scale groups, the last one partial
@@ -353,7 +351,10 @@ def test_every_truncation_is_refused_and_changes_nothing(mode):
         with pytest.raises(WireError, match="fails its CRC-32|truncated"):
             c.import_wire(blob[:cut])
     old = unsealed(blob)
-    for cut in range(len(old)):
+    # every cut through the fields and the block table, and through the
+    # payloads at a stride (a q4 record is tens of KB)
+    table_end = offsets(old)["payload"]
+    for cut in sorted(set(range(min(table_end + 64, len(old)))) | set(range(table_end, len(old), 29))):
         with pytest.raises(WireError, match="truncated|mode name length"):
             c.import_wire(old[:cut])
     assert snapshot(c) == before
@@ -611,10 +612,20 @@ def mutated(draw):
     return bytes(blob)
 
 
-@settings(max_examples=100_000 if LONG else 600, deadline=None, database=None, derandomize=not LONG,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mutated())
 def test_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
+    fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob)
+
+
+@pytest.mark.long_fuzz
+@settings(max_examples=100_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(mutated())
+def test_long_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
+    fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob)
+
+
+def fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob):
     assert isinstance(inspect(blob), str)
     mode = blob[36:36 + struct.unpack_from("<I", blob, 32)[0]].decode("ascii", "replace") \
         if len(blob) >= 36 and struct.unpack_from("<I", blob, 32)[0] < 16 else "q8"
