@@ -6,8 +6,8 @@ This package knows bytes and arrays, never a layer object. Export reads a
 :class:`LayerState` that the layer installs in one step. Byte-compatible with
 the seed's ``export_wire`` / ``import_wire`` (kv_cache.rs): little-endian, a
 32-byte header (magic ``CMFS``, u32 version 2, u64 operator identity, u32
-layer, u8 kind, u8 f16 flag, u16 zero, u64 position) then one record whose
-shape the kind fixes. The unversioned legacy blob is the Full body alone.
+layer, u8 kind, u8 f16 flag, u16 flags (0 in v2), u64 position) then one
+record whose shape the kind fixes. The unversioned legacy blob is the Full body alone.
 
 By concept: ``_format`` (fields, records, the reader, the CRC), ``_seed``
 (the v2 bodies), ``_storage`` (the v3 body), ``_record`` (a layer's record:
