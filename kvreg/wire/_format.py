@@ -207,9 +207,6 @@ class LayerState:
     #: Decoded: the record's wire version, and a v3 record's mode name.
     version: int = WIRE_VERSION
     mode: str | None = None
-    #: Decoded: whether a CRC-32 covered the record (every v3 record kvreg
-    #: writes; a v2 record only through a container's).
-    checked: bool = False
 
     def counts_only(self) -> bool:
         """Whether the record is a depth counter: positions, no row of any

@@ -94,7 +94,7 @@ def parse(mv: memoryview, expect: Expect | None, materialize: bool, notes) -> La
             raise r.fail("a legacy body holding K/V rows or importance for a Linear layer: its wire kind "
                          "carries the recurrent state only (export the peer as a Full layer)", 0)
         return _state(WireKind.Full, expect.identity if expect else 0, expect.layer if expect else 0,
-                      body["seq_len"], 0, body, False)
+                      body["seq_len"], 0, body)
     if r.n < HEADER_SIZE:
         raise r.fail(f"truncated header: {r.n} of {HEADER_SIZE} bytes", 0)
     _, version, identity, layer, kind_b, f16_b, flags, position = HEADER.unpack_from(mv, 0)
@@ -150,16 +150,15 @@ def parse(mv: memoryview, expect: Expect | None, materialize: bool, notes) -> La
     if kind is WireKind.FullTail and base + body["seq_len"] != position:
         raise r.fail(f"tail base {base} + {body['seq_len']} rows != header position {position}", 24)
     r.trailing()
-    return _state(kind, identity, layer, position, base, body, bool(flags))
+    return _state(kind, identity, layer, position, base, body)
 
 
-def _state(kind, identity, layer, position, base, body, checked) -> LayerState:
+def _state(kind, identity, layer, position, base, body) -> LayerState:
     return LayerState(kind, identity, layer, position, base, body["seq_len"], body["num_kv_heads"],
                       body["head_dim"], linear_state=body["linear_state"], imp=body["imp"],
                       k=body["k"], v=body["v"], storage=body.get("storage"),
                       payload_at=body.get("payload_at", []), payload_width=body.get("payload_width", 4),
-                      version=WIRE_VERSION_STORAGE if "mode" in body else WIRE_VERSION, mode=body.get("mode"),
-                      checked=checked)
+                      version=WIRE_VERSION_STORAGE if "mode" in body else WIRE_VERSION, mode=body.get("mode"))
 
 
 def decode_layer(buf, expect: Expect) -> LayerState:
