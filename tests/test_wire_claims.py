@@ -184,3 +184,16 @@ def test_export_refuses_a_row_past_the_bound():
                                           [BlockRecord(spec, [np.zeros((0, 2**31), np.float32)])]))
     with pytest.raises(Exception, match="past the format's"):
         encode_layer(st, f16=False)
+
+
+def test_memory_a_decode_cannot_get_is_a_wire_error(monkeypatch):
+    from kvreg.wire import _format
+
+    blob = filled(KvMode.F32, 1).layers[0].export_wire()
+
+    def floats(*a, **kw):
+        raise MemoryError
+
+    monkeypatch.setattr(_format.Reader, "floats", floats)
+    with pytest.raises(WireError, match=f"decoding a {len(blob)}-byte record needs more memory"):
+        decode_layer(blob, Expect(NKV, HD))

@@ -170,4 +170,11 @@ def decode_layer(buf, expect: Expect) -> LayerState:
     is checked before any of its body is read. Nothing is mutated: the
     caller installs the returned state atomically, so a refused import
     leaves its layer exactly as it was."""
-    return parse(view(buf), expect, True, None)
+    mv = view(buf)
+    try:
+        return parse(mv, expect, True, None)
+    except MemoryError:
+        # The copies are bounded by the buffer, but a large one may still
+        # not fit: a refusal like any other, not a crash of the host.
+        raise WireError(f"kv import: decoding a {len(mv)}-byte record needs more memory than this process "
+                        "can allocate") from None
