@@ -201,7 +201,7 @@ def test_the_pocl_worker_count_is_lowered_to_the_cpus(monkeypatch, value, want):
 @pytest.mark.parametrize("budget", ["1000000", "2147483647"])
 def test_a_huge_budget_does_not_kill_the_process_that_opens_pocl(budget):
     # PoCL starts POCL_MAX_PTHREAD_COUNT workers at once; kvreg hands it its
-    # budget: a million ended the process with SIGABRT, 2**31-1 with SIGSEGV
+    # budget: unbounded, a million ends the process with SIGABRT, 2**31-1 with SIGSEGV
     pytest.importorskip("kvreg_opencl")
     pytest.importorskip("pyopencl")
     code = ("import os, kvreg\n"

@@ -115,7 +115,7 @@ def test_positions_with_importance_and_no_row_convert_as_extend_stores_them(mode
 
 @pytest.mark.parametrize("mode", [KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q8V_2F], ids=lambda m: m.value)
 def test_many_positions_with_importance_and_no_row_convert_in_one_step(mode):
-    n = 1 << 17   # a 512 KiB record; position by position this took seconds
+    n = 1 << 17   # a 512 KiB record; position by position, seconds
     blob = dead_record(n, np.zeros(n, np.float32))
     lay = LayerKvCache(NKV, HD, mode, "reference")
     dt, _ = measured(lambda: lay.import_wire(blob))

@@ -66,9 +66,9 @@ def bound_pocl_threads() -> None:
     """Lower ``POCL_MAX_PTHREAD_COUNT`` to the CPUs this process may run on
     (:func:`kvreg.threads.cpu_threads`) before OpenCL is first opened. PoCL
     starts that many worker threads at once when it opens its CPU device,
-    and has no bound of its own: ``KVREG_THREADS=1000000`` (which the backend
-    hands over, numba clamping it to its pool) ended the process with
-    SIGABRT, 2**31-1 with SIGSEGV. More workers than CPUs only take turns,
+    and has no bound of its own: ``KVREG_THREADS=1000000``, which the backend
+    hands over (numba clamps it to its pool), ends the process with SIGABRT,
+    2**31-1 with SIGSEGV. More workers than CPUs only take turns,
     so the host's own value is lowered as well; a value PoCL would not read
     as a count is PoCL's to judge."""
     raw = os.environ.get("POCL_MAX_PTHREAD_COUNT")
