@@ -609,6 +609,10 @@ def mutated(draw):
         elif op == "table" and len(blob) > 40:
             # aim at the fields and the table (the first ~300 bytes)
             blob[draw(hs.integers(32, min(len(blob), 330) - 1))] = draw(hs.sampled_from([0, 1, 2, 3, 9, 255]))
+    if len(blob) >= 36 and struct.unpack_from("<H", blob, 22)[0] == FLAG_CRC32 and draw(hs.booleans()):
+        # resealed: a CRC-32 that matches, as an exporter's own fault would
+        # send, so the change reaches the field checks and the install
+        return sealed(unsealed(bytes(blob)))
     return bytes(blob)
 
 
