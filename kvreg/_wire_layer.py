@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,6 +56,17 @@ def storage_record(st: LayerStorage) -> StorageRecord:
                     for h in range(nkv)]
         blocks.append(BlockRecord(sp, data))
     return StorageRecord(schema.mode, schema.exact_cap, st.lens, st.xlen, blocks)
+
+
+class _Install(NamedTuple):
+    """What an import installs: the new storage, the recurrent state, the
+    base and positions, and a bounded record's ring (None for the others)."""
+
+    storage: LayerStorage
+    linear_state: np.ndarray
+    base: int
+    seq_len: int
+    ring: BoundedRecord | None = None
 
 
 class WireMixin:
@@ -169,15 +181,18 @@ class WireMixin:
           importance, linear state and base are installed; rows that mode
           cannot store (inf/NaN under q8, past ±65504 under f16) are refused;
         * a v3 record of another mode is refused, naming both modes (set
-          ``layer.mode`` on an empty layer first).
+          ``layer.mode`` on an empty layer first);
+        * a record of positions that holds no row and no importance (a depth
+          counter) costs nothing: a Full layer takes its positions as an
+          empty prefix (``base`` is the record's position, no row is stored),
+          a Linear layer counts them.
 
-        The whole blob is decoded and checked first; a refused import raises
-        :class:`WireError` and leaves the layer exactly as it was. Learned
-        sinks are weights: kept.
+        The whole blob is decoded and checked first (a v3 record's CRC-32
+        included), and everything the install needs is built before the
+        layer changes; a refused import raises :class:`WireError` and leaves
+        the layer exactly as it was. Learned sinks are weights: kept.
         """
-        rec = decode_layer(buf, self._wire_expect())
-        self._check_record(rec)
-        self._apply_record(rec)
+        self._install(self._prepare(decode_layer(buf, self._wire_expect())))
 
     def _wire_expect(self) -> Expect:
         """This layer's facts a peer's record is checked against."""
@@ -189,12 +204,54 @@ class WireMixin:
             storage=storage_schema(self.num_kv_heads, self.head_dim, self.mode, self.q8_exact_rows),
         )
 
-    def _converted(self, rec: LayerState) -> LayerStorage:
+    def _prepare(self, rec: LayerState) -> _Install:
+        """Everything installing ``rec`` takes, built and checked now, as a
+        WireError where it is refused: with this, :meth:`_install` cannot
+        fail, so a whole-cache import prepares every layer before the first
+        one changes. The mode stays this layer's."""
+        try:
+            return self._prepared(rec)
+        except MemoryError:
+            raise WireError(f"kv import: the record for layer {rec.layer} ({rec.seq_len} positions) needs more "
+                            "memory than this process can allocate; nothing was installed") from None
+
+    def _prepared(self, rec: LayerState) -> _Install:
+        empty = np.zeros(0, dtype=np.float32)
+        if rec.kind == WireKind.Linear:
+            return _Install(self._new_storage(self.mode), rec.linear_state, 0, rec.seq_len)
+        if rec.kind == WireKind.Bounded:
+            b = rec.bounded
+            for name, ring in (("K", b.ring_k), ("V", b.ring_v)):
+                if not np.isfinite(ring).all():
+                    at = np.argwhere(~np.isfinite(ring))[0].tolist()
+                    raise WireError(f"kv import: the bounded ring's {name} holds inf/NaN at [head, slot, channel] "
+                                    f"{at} (a ring stores finite rows only; an f16 export of a value above "
+                                    f"65504 travels as inf)")
+            return _Install(self._new_storage(self.mode), empty, 0, rec.seq_len, b)
+        base, seq_len = (rec.base if rec.kind == WireKind.FullTail else 0), rec.seq_len
+        if rec.counts_only():
+            # Positions that hold nothing: a Full layer takes them as an
+            # empty prefix, as if trimmed, so they cost nothing (a record
+            # of 64 bytes may claim 2**32 - 1 of them); a Linear layer, which
+            # stores no row, counts them as a Linear record does.
+            if self.wire_kind == WireKind.Linear:
+                return _Install(self._new_storage(self.mode), rec.linear_state, 0, seq_len)
+            base, seq_len = base + seq_len, 0
+        if rec.storage is not None:
+            fresh = self._storage_from(rec, seq_len)
+            bad = fresh.tiers_consistent()
+            if bad:
+                raise WireError(f"kv import: the {self.mode.value} record's {bad}")
+        elif self.mode is not KvMode.F32:
+            fresh = self._converted(rec, seq_len)
+        else:
+            fresh = self._new_storage(self.mode)
+            fresh.load({"k": rec.k, "v": rec.v}, np.array([a.shape[0] for a in rec.k], np.int64), seq_len, rec.imp)
+        return _Install(fresh, rec.linear_state, base, seq_len)
+
+    def _converted(self, rec: LayerState, seq_len: int) -> LayerStorage:
         """A v2 Full record's rows stored as :meth:`extend` stores them on an
-        empty layer of this layer's mode and backend (memoized on ``rec``)."""
-        memo = getattr(rec, "_kvreg_converted", None)
-        if memo is not None and memo[0] is self and memo[1] is self._st.mode:
-            return memo[2]
+        empty layer of this layer's mode and backend, ``seq_len`` positions."""
         nkv, hd = self.num_kv_heads, self.head_dim
         from .layer import LayerKvCache   # the layer module imports this one
 
@@ -202,10 +259,17 @@ class WireMixin:
         rows = np.array([a.shape[0] for a in rec.k], dtype=np.int64)
         # Head h is alive at the first rows[h] positions: one extend per run
         # of positions with the same alive heads (all of them, commonly).
-        cuts = sorted({0, rec.seq_len, *rows.tolist()})
+        cuts = sorted({0, seq_len, *rows.tolist()})
         for p0, p1 in zip(cuts, cuts[1:]):
             alive = rows > p0
             n = p1 - p0
+            if not alive.any() and not tmp._st.lens.any():
+                # No head stores a row here or before: extend would only
+                # count these positions (under a 2f mode one at a time, its
+                # freeze finding no row to freeze over), so count them at once.
+                tmp._st.append({}, np.flatnonzero(alive), n)
+                tmp._seq_len += n
+                continue
             if alive.any():
                 k = np.zeros((n, nkv, hd), np.float32)
                 v = np.zeros((n, nkv, hd), np.float32)
@@ -221,7 +285,6 @@ class WireMixin:
                 raise self._conversion_error(rec, rows, p0, p1, alive, e) from None
         fresh = tmp._st
         fresh.set_importance(rec.imp)
-        rec._kvreg_converted = (self, self._st.mode, fresh)
         return fresh
 
     def _conversion_error(self, rec, rows, p0, p1, alive, err) -> WireError:
@@ -244,73 +307,27 @@ class WireMixin:
         e.offset = at
         return e
 
-    def _storage_from(self, rec: LayerState) -> LayerStorage:
+    def _storage_from(self, rec: LayerState, seq_len: int) -> LayerStorage:
         """A fresh storage of this layer's mode holding a v3 record's blocks
-        bit for bit (decode checked mode, exact capacity, block table, counts;
-        memoized on ``rec``: the check builds it, the install takes it)."""
-        memo = getattr(rec, "_kvreg_storage", None)
-        if memo is not None and memo[0] is self and memo[1] is self._st.mode:
-            return memo[2]
+        bit for bit (decode checked mode, exact capacity, block table, counts),
+        ``seq_len`` positions."""
         s = rec.storage
         fresh = self._new_storage(self.mode)
         fresh.load({b.spec.name: b.data for b in s.blocks if b.spec.rows is not RowClass.HEAD},
-                   s.lens, rec.seq_len, rec.imp, xlen=s.xlen,
+                   s.lens, seq_len, rec.imp, xlen=s.xlen,
                    head_blocks={b.spec.name: b.data for b in s.blocks if b.spec.rows is RowClass.HEAD})
-        rec._kvreg_storage = (self, self._st.mode, fresh)
         return fresh
 
-    def _check_record(self, rec: LayerState) -> None:
-        """What installing ``rec`` would refuse, refused now as a WireError:
-        with this, :meth:`_apply_record` cannot fail, so a whole-cache import
-        checks every layer before the first one changes."""
-        if rec.storage is not None and rec.storage.mode != self.mode.value:
-            # decode_layer refused this already against this layer's Expect.
-            raise WireError(f"kv import: the record stores {rec.storage.mode} rows, this layer stores "
-                            f"{self.mode.value}")
-        if rec.kind in (WireKind.Full, WireKind.FullTail) and rec.storage is None and self.mode is not KvMode.F32:
-            self._converted(rec)
-        if rec.storage is not None and self.mode.window:
-            bad = self._storage_from(rec).tiers_consistent()
-            if bad:
-                raise WireError(f"kv import: the {self.mode.value} record's {bad}")
-        if rec.kind == WireKind.Bounded:
-            b = rec.bounded
-            for name, ring in (("K", b.ring_k), ("V", b.ring_v)):
-                if not np.isfinite(ring).all():
-                    at = np.argwhere(~np.isfinite(ring))[0].tolist()
-                    raise WireError(f"kv import: the bounded ring's {name} holds inf/NaN at [head, slot, channel] "
-                                    f"{at} (a ring stores finite rows only; an f16 export of a value above "
-                                    f"65504 travels as inf)")
-
-    def _apply_record(self, rec: LayerState) -> None:
-        # Nothing below can fail: the record is complete and checked
-        # (decode_layer, then _check_record). The mode stays this layer's.
-        fresh = self._new_storage(self.mode)
-        if rec.storage is not None:
-            fresh = self._storage_from(rec)
-            self.linear_state = rec.linear_state
-        elif rec.kind in (WireKind.Full, WireKind.FullTail) and self.mode is not KvMode.F32:
-            fresh = self._converted(rec)
-            self.linear_state = rec.linear_state
-        elif rec.kind in (WireKind.Full, WireKind.FullTail):
-            # A record of positions with no row and no importance (a depth
-            # counter) gets zero mass per position: the storage then counts
-            # the same positions as the layer, so appends, export and
-            # eviction keep working on it.
-            fresh.load({"k": rec.k, "v": rec.v}, np.array([a.shape[0] for a in rec.k], np.int64),
-                       rec.seq_len, rec.imp)
-            self.linear_state = rec.linear_state
-        elif rec.kind == WireKind.Linear:
-            self.linear_state = rec.linear_state
-        else:
-            b = rec.bounded
-            self.bounded.load(b.ring_k, b.ring_v, rec.position)
+    def _install(self, plan: _Install) -> None:
+        # Nothing below can fail: _prepare built and checked all of it.
+        if plan.ring is not None:
+            self.bounded.load(plan.ring.ring_k, plan.ring.ring_v, plan.seq_len)
             # The undo rows describe inserts this side never made.
             self.bounded.reset_undo()
-            self.linear_state = np.zeros(0, dtype=np.float32)
-        self._st = fresh
+        self._st = plan.storage
+        self.linear_state = plan.linear_state
         self._kv_rows_changed(0)
         self.discard_linear_scratch()
         self._init_o1()
-        self._base = rec.base if rec.kind == WireKind.FullTail else 0
-        self._seq_len = rec.seq_len
+        self._base = plan.base
+        self._seq_len = plan.seq_len

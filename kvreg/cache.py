@@ -153,13 +153,15 @@ class KvCache:
                     layer.evict_born(keep_last, self.policy.sink, recent)
 
     def export_wire(self, f16: bool = False) -> bytes:
-        """Every layer's v2 record in a ``KVRC`` container (docs/wire.md)."""
+        """Every layer's record (v2, or v3 for non-F32 storage) in a ``KVRC``
+        container, a CRC-32 per record (docs/wire.md)."""
         with self._all_layers_locked():
             return encode_cache([layer.export_wire(f16) for layer in self.layers])
 
     def import_wire(self, buf) -> None:
         """Install a container exported by :meth:`export_wire`: every layer
-        record is decoded and checked before any layer changes."""
+        blob's CRC-32 is checked, and every record decoded, checked and made
+        ready to install, before any layer changes."""
         blobs = decode_cache(buf)
         if len(blobs) != len(self.layers):
             raise WireError(f"kv import: container holds {len(blobs)} layers, this cache has {len(self.layers)}")
@@ -176,9 +178,9 @@ class KvCache:
 
     def _import_blobs(self, blobs) -> None:
         records = [decode_layer(blob, layer._wire_expect()) for layer, blob in zip(self.layers, blobs)]
-        # Everything an install could refuse is refused here, before the
-        # first layer changes: a bad record after good ones changes nothing.
-        for layer, rec in zip(self.layers, records):
-            layer._check_record(rec)
-        for layer, rec in zip(self.layers, records):
-            layer._apply_record(rec)
+        # Everything an install could refuse is refused, and everything it
+        # allocates is allocated, before the first layer changes: a bad
+        # record after good ones changes nothing.
+        plans = [layer._prepare(rec) for layer, rec in zip(self.layers, records)]
+        for layer, plan in zip(self.layers, plans):
+            layer._install(plan)

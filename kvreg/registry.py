@@ -114,16 +114,29 @@ def takes_devices(cls: type[Backend]) -> bool:
     return getattr(cls.devices, "__func__", None) is not Backend.devices.__func__
 
 
-def _cpu_spec(device: str) -> bool:
+#: The device specs of the host's CPU, the one device of a CPU backend.
+CPU_DEVICES = ("cpu", "cpu:0")
+
+
+def cpu_device(device: str) -> bool:
+    """Whether ``device`` names the host's CPU, the one device every CPU
+    backend runs on: ``cpu`` or ``cpu:0`` (any case, spaces stripped).
+    Another ``cpu:...`` (``cpu:1``, ``cpu:abc``, ``cpu:-1``) is a
+    BackendError: taking it for the CPU would be a guess."""
     d = device.strip().lower()
-    return d == "cpu" or d.startswith("cpu:")
+    if d in CPU_DEVICES:
+        return True
+    if d.startswith("cpu:"):
+        raise BackendError(f"KVREG_DEVICE={device!r} is not a CPU device: a CPU backend runs on the host's CPU, "
+                           f"'cpu' or 'cpu:0' (its threads: KVREG_THREADS)")
+    return False
 
 
 def _check_device(cls: type[Backend] | None, device: str | None) -> None:
     """Refuse a device spec the backend cannot understand (``cls`` None:
     ``auto``, which picks among CPU backends): silently ignoring it would run
     on the CPU a caller asked to keep off it."""
-    if device is None or _cpu_spec(device) or (cls is not None and takes_devices(cls)):
+    if device is None or (cls is not None and takes_devices(cls)) or cpu_device(device):
         return
     takers = sorted(name for name, c in backends().items() if takes_devices(c))
     who = "auto picks CPU backends only" if cls is None else f"the {cls.name} backend runs on the CPU only"
@@ -138,9 +151,15 @@ def _auto(device: str | None) -> Backend:
         if not cls.auto:
             continue
         try:
-            return _instantiate(cls, device)
+            chosen = _instantiate(cls, device)
         except BackendError as exc:
             tried.append(f"{cls.name}: {exc}")
+            continue
+        if tried:
+            # Never a silent fallback: the host asked for the best backend.
+            warnings.warn(f"kvreg: auto runs the {chosen.name} backend; better ones could not start ("
+                          + "; ".join(tried) + ")", RuntimeWarning, stacklevel=3)
+        return chosen
     raise BackendError("no CPU backend could start: " + "; ".join(tried))
 
 

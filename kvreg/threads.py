@@ -104,6 +104,16 @@ def env_threads() -> int | None:
     return n
 
 
+def cpu_threads() -> int:
+    """The CPUs this process may run on (its affinity mask): more threads
+    than that only take turns. A backend whose thread pool has no bound of
+    its own (PoCL's) is handed at most this many."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def default_threads() -> int:
     """The host's share: torch's intra-op threads if torch is loaded, else
     the CPUs of this process's affinity mask."""
@@ -115,10 +125,7 @@ def default_threads() -> int:
                 return n
         except Exception:  # a half-imported or stubbed torch: fall through
             pass
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    return cpu_threads()
 
 
 def get_num_threads() -> int:

@@ -101,3 +101,63 @@ def test_kvreg_info_never_tracebacks_on_a_bad_environment(env):
                           timeout=120)
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     assert "ERROR" in proc.stdout and proc.returncode in (0, 1)
+
+
+# ── the host CPU's own specs: cpu and cpu:0, nothing else ──
+
+@pytest.mark.parametrize("spec", ["cpu", "cpu:0", "CPU:0", " cpu:0 "])
+def test_a_cpu_spec_picks_the_same_backend_as_none_without_a_word(spec, monkeypatch):
+    import warnings
+
+    monkeypatch.delenv("KVREG_BACKEND", raising=False)
+    monkeypatch.setenv("KVREG_DEVICE", spec)
+    best = kvreg.get_backend("auto", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # no fallback, silent or said
+        assert kvreg.get_backend().name == best.name
+        assert kvreg.LayerKvCache(1, 4, "f32").backend.name == best.name
+
+
+def test_the_numba_backend_takes_cpu_0():
+    pytest.importorskip("kvreg_numba")
+    assert kvreg.get_backend("numba", "cpu:0").name == "numba"
+
+
+@pytest.mark.parametrize("spec", ["cpu:abc", "cpu:-1", "cpu:1", "cpu:", "cpu:0:0"])
+@pytest.mark.parametrize("name", ["auto", "reference"])
+def test_a_malformed_cpu_spec_is_an_error_naming_the_cpu_specs(spec, name):
+    with pytest.raises(BackendError, match=f"KVREG_DEVICE={spec!r} is not a CPU device: .*'cpu' or 'cpu:0'"):
+        kvreg.get_backend(name, spec)
+
+
+def test_a_device_backend_judges_its_own_cpu_specs(plugin):
+    # a backend that takes devices reads every spec itself (an OpenCL CPU, a
+    # socket): the registry does not judge them
+    assert kvreg.get_backend("devicetaker_test", "cpu:1").device == "cpu:1"
+
+
+class _Broken(ReferenceBackend):
+    name = "broken_best_test"
+    auto = True
+    priority = 1000
+
+    def __init__(self, device=None):
+        raise BackendError("its compiler cannot build for this CPU")
+
+
+class _BrokenPlugin:
+    @hookimpl
+    def kvreg_register_backends(self, register):
+        register(_Broken)
+
+
+def test_auto_says_when_it_passes_over_a_better_backend_that_cannot_start():
+    p = _BrokenPlugin()
+    registry.register_plugin(p)
+    try:
+        with pytest.warns(RuntimeWarning, match="auto runs the .* backend; better ones could not start "
+                                                r"\(broken_best_test: its compiler cannot build"):
+            chosen = kvreg.get_backend("auto")
+        assert chosen.name != "broken_best_test"
+    finally:
+        registry.unregister_plugin(p)

@@ -1,6 +1,7 @@
 """q4: rotated rows aging through float16, int8 and int4 tiers (kvreg.storage)."""
 
 import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -103,6 +104,7 @@ def test_a_record_with_broken_tier_counters_is_refused():
     good_b8 = struct.pack("<q", 200 - Q4_WINDOW)
     pos = blob.index(good_b8, at)
     blob[pos:pos + 8] = struct.pack("<q", 10_000)
+    blob[-4:] = struct.pack("<I", zlib.crc32(blob[:-4]))   # an exporter's own fault: its CRC-32 matches
     e = LayerKvCache(1, 64, "q4", "reference")
     with pytest.raises(WireError, match="tier"):
         e.import_wire(bytes(blob))
@@ -116,6 +118,7 @@ def test_a_q8_record_whose_window_bound_is_out_of_range_is_refused():
     at = blob.index(b"\x02b8")
     pos = blob.index(struct.pack("<q", 200 - c.storage.window), at)
     blob[pos:pos + 8] = struct.pack("<q", 10_000)
+    blob[-4:] = struct.pack("<I", zlib.crc32(blob[:-4]))   # an exporter's own fault: its CRC-32 matches
     d = LayerKvCache(1, 64, "q8", "reference")
     with pytest.raises(WireError, match="window"):
         d.import_wire(bytes(blob))

@@ -11,10 +11,14 @@ the last shipped state with no token lost or repeated.
 from __future__ import annotations
 
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import zlib
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -175,10 +179,17 @@ def test_refusals_change_nothing(workers, lm):
         (good[:4] + b"\x07" + good[5:], "expected version 1"),
         (12, "bytes-like"),
     ]
-    # Layer 0's record claims another layer: the KvCache's own refusal, named.
+    # Layer 0's record claims another layer: changed in transit, its
+    # container's CRC-32 refuses it; sent so (its CRC matching), the
+    # KvCache's own refusal, named.
     rec = good.find(b"KVRC") + 20                  # KVRC, version, count, u64 length, then CMFS
     assert good[rec:rec + 4] == b"CMFS"
-    bad.append((good[:rec + 16] + b"\x07" + good[rec + 17:], "sequence 0 .*layer 7"))
+    changed = bytearray(good)
+    changed[rec + 16] = 7
+    bad.append((bytes(changed), "sequence 0 .*layer 0's blob .*fails its CRC-32"))
+    n = struct.unpack_from("<Q", good, rec - 8)[0]
+    struct.pack_into("<I", changed, rec + n, zlib.crc32(changed[rec:rec + n]))
+    bad.append((bytes(changed), "sequence 0 .*layer 7"))
     for blob, match in bad:
         with pytest.raises(WireError, match=match):
             target.import_wire(blob)
@@ -199,8 +210,10 @@ def test_refusals_change_nothing(workers, lm):
         ray.get(dec.load.remote(SequenceMeta(**{**meta.__dict__, "tokens": meta.tokens + (5,)}), wire_ref))
     with pytest.raises(ConfigError, match="expected a SequenceMeta"):
         ray.get(dec.load.remote({"tokens": [1]}, wire_ref))
-    with pytest.raises(WireError, match="expected magic"):
+    with pytest.raises(WireError, match="not the one its meta describes"):
         ray.get(dec.load.remote(meta, b"KVRX" + bytes(40)))
+    with pytest.raises(WireError, match="expected magic"):   # a meta without a checksum: the blob's own checks
+        ray.get(dec.load.remote(replace(meta, wire_crc32=None, wire_bytes=44), b"KVRX" + bytes(40)))
     with pytest.raises(StateError, match="not loaded here"):
         ray.get(dec.decode.remote("no-such-request", 4)[0])
     with pytest.raises(ConfigError, match="cache options"):
@@ -214,6 +227,29 @@ def test_refusals_change_nothing(workers, lm):
     assert ray.get(dec.load.remote(meta, wire_ref)) == meta.seen
     m2 = ray.get(dec.decode.remote(meta.request_id, 3)[0])
     assert len(m2.tokens) == 4 and m2.checkpoint == 1
+    assert ray.get(dec.release.remote(meta.request_id))
+
+
+def test_a_state_changed_in_transit_is_refused_by_the_worker_which_stays_usable(workers):
+    """Bytes flipped in the shipped blob, mostly inside row payloads (where
+    the blob's own structure cannot notice): the worker refuses every one
+    by the meta's CRC-32, and without it by the containers' per-record
+    CRC-32 and its own checks; the sound state then loads and decodes."""
+    dec, pre = workers["decode"], workers["prefill"]
+    meta_ref, wire_ref = pre.prefill.remote(PROMPT, max_new_tokens=4, mode="q8")
+    meta, wire = ray.get([meta_ref, wire_ref])
+    assert meta.wire_crc32 == zlib.crc32(wire) and meta.wire_bytes == wire.size
+    rng = np.random.default_rng(8)
+    bare = replace(meta, wire_crc32=None)
+    for i in range(45):
+        bad = np.array(wire)
+        at = int(rng.integers(0, bad.size)) if i % 3 == 0 else int(rng.integers(bad.size // 8, bad.size))
+        bad[at] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        for m in (meta, bare):
+            with pytest.raises(WireError):
+                ray.get(dec.load.remote(m, bad))
+    assert ray.get(dec.load.remote(meta, wire_ref)) == meta.seen
+    assert len(ray.get(dec.decode.remote(meta.request_id, 2)[0]).tokens) == 3
     assert ray.get(dec.release.remote(meta.request_id))
 
 

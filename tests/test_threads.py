@@ -182,3 +182,34 @@ def test_set_torch_model_takes_a_bool_per_thread():
     finally:
         assert threads.set_torch_model(False) is True
     assert threads.torch_model() is False
+
+
+# ── what PoCL is handed ──
+
+def test_cpu_threads_are_the_affinity_mask():
+    assert threads.cpu_threads() == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("value,want", [("1000000", "cpus"), ("2147483647", "cpus"), ("1", "1"), ("x", "x")])
+def test_the_pocl_worker_count_is_lowered_to_the_cpus(monkeypatch, value, want):
+    device = pytest.importorskip("kvreg_opencl.device")
+    monkeypatch.setenv("POCL_MAX_PTHREAD_COUNT", value)
+    device.bound_pocl_threads()
+    assert os.environ["POCL_MAX_PTHREAD_COUNT"] == (str(threads.cpu_threads()) if want == "cpus" else want)
+
+
+@pytest.mark.parametrize("budget", ["1000000", "2147483647"])
+def test_a_huge_budget_does_not_kill_the_process_that_opens_pocl(budget):
+    # PoCL starts POCL_MAX_PTHREAD_COUNT workers at once; kvreg hands it its
+    # budget: unbounded, a million ends the process with SIGABRT, 2**31-1 with SIGSEGV
+    pytest.importorskip("kvreg_opencl")
+    pytest.importorskip("pyopencl")
+    code = ("import os, kvreg\n"
+            "try:\n    kvreg.get_backend('opencl')\n"
+            "except kvreg.KvregError as e:\n    print('refused:', e)\n"   # a device that cannot build: said
+            "print('workers', os.environ['POCL_MAX_PTHREAD_COUNT'])\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVREG_", "POCL_"))}
+    env["KVREG_THREADS"] = budget
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert f"workers {threads.cpu_threads()}" in proc.stdout

@@ -1,7 +1,6 @@
 """Wire refusals are WireErrors raised before any layer changes, for whole
 caches as for layers (issue 18, items 1, 5, 6 and 9)."""
 
-import os
 import struct
 
 import numpy as np
@@ -14,7 +13,6 @@ from kvreg.bounded import BoundedRope, BoundedWeights
 from kvreg.wire import decode_cache, encode_cache, encode_full_body, LayerState
 
 NKV, HD, W = 2, 4, 4
-FUZZ = int(os.environ.get("KVREG_FUZZ_EXAMPLES", "2000" if os.environ.get("KVREG_FUZZ_LONG") else "60"))
 
 
 def make_cache(seed, rows=6, inserts=5):
@@ -99,10 +97,22 @@ def test_f16_export_of_a_ring_value_above_65504_is_refused():
     assert d.layers[1].bounded.ring_v[1, 2, 3] == 65504.0
 
 
-@settings(max_examples=FUZZ, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=hs.data())
 def test_fuzzed_containers_either_install_whole_or_change_nothing(data):
+    fuzzed_container_installs_whole_or_changes_nothing(data)
+
+
+@pytest.mark.long_fuzz
+@settings(max_examples=2000, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=hs.data())
+def test_long_fuzzed_containers_either_install_whole_or_change_nothing(data):
+    fuzzed_container_installs_whole_or_changes_nothing(data)
+
+
+def fuzzed_container_installs_whole_or_changes_nothing(data):
     src = make_cache(1, inserts=data.draw(hs.integers(0, 9)))
     blob = bytearray(src.export_wire(f16=data.draw(hs.booleans())))
     # Most mutations land after the first layer's record: a bad record after good ones.
@@ -179,7 +189,7 @@ def test_fulltail_base_past_2_53_is_refused():
 
 # ── a record of positions with no rows ──
 
-def test_a_record_with_positions_but_no_rows_keeps_export_and_eviction_working():
+def test_a_record_with_positions_but_no_rows_is_an_empty_prefix_that_keeps_export_and_eviction_working():
     st = LayerState(WireKind.Full, 0, 0, 7, 0, 7, 2, 4, k=[np.zeros((0, 4), np.float32)] * 2,
                     v=[np.zeros((0, 4), np.float32)] * 2)
     c = KvCache(1, 2, 4, 8, mode=KvMode.F32, backend="reference")
@@ -187,15 +197,15 @@ def test_a_record_with_positions_but_no_rows_keeps_export_and_eviction_working()
     from kvreg.wire import encode_layer
 
     layer.import_wire(encode_layer(st, f16=False))
-    assert layer.seq_len == 7 and layer.imp.size == 7
-    layer.append(np.ones(8, np.float32), np.ones(8, np.float32))
-    layer.export_wire()
+    # the seven positions are a prefix that holds nothing, as after a trim
+    assert (layer.base, layer.seq_len, layer.pos_len, layer.imp.size) == (7, 0, 7, 0)
+    assert c.seq_len == 7 and layer.reserved_bytes() == 0
+    for _ in range(9):
+        layer.append(np.ones(8, np.float32), np.ones(8, np.float32))
+    assert layer.export_wire()[20] == WireKind.FullTail and layer.pos_len == 16
     assert c.needs_eviction()
-    for _ in range(3):   # a host loop: evict until under the cap
-        if not c.needs_eviction():
-            break
-        c.evict(4)
-    assert not c.needs_eviction() and layer.seq_len == 4
+    c.evict(4)   # eviction reaches the rows, and brings the layer under the cap
+    assert not c.needs_eviction() and layer.seq_len == 4 and layer.pos_len == 11
 
 
 # ── legacy bodies ──

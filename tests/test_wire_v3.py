@@ -5,17 +5,17 @@ read from ``KvMode``, so a mode added later is covered once its storage
 declares its blocks), the freeze state of the 2f modes, the mode policy
 (v2 into another mode = extend; v3 into another mode refused), every
 refusal before any state changes, v2 compatibility, the cache container,
-inspect, and a fuzz run (``KVREG_FUZZ_LONG=1`` for a long one).
+inspect, and a fuzz run (a long one in the ``long_fuzz`` tier).
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import struct
 import subprocess
 import sys
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -26,11 +26,11 @@ from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.cli import main
 from kvreg.modes import KV_COL_WARMUP, Q4_SINK_ROWS, Q8_WINDOW
 from kvreg.wire import (
-    DTYPE_CODES, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer, inspect,
+    DTYPE_CODES, FLAG_CRC32, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer,
+    inspect,
 )
 from kvreg._wire_layer import storage_schema
 
-LONG = os.environ.get("KVREG_FUZZ_LONG") == "1"
 MODES = [m for m in KvMode if m is not KvMode.F32]
 IDS = [m.value for m in MODES]
 NKV, HD, EXACT = 2, 40, 2   # hd 40: two K scale groups, the last one partial
@@ -286,8 +286,26 @@ def test_an_exact_row_capacity_mismatch_is_refused():
 
 # ----------------------------------------------------------- refusals
 
+def unsealed(blob):
+    """A v3 record as a kvreg before the CRC-32 wrote it: flags 0, no CRC
+    (still read). The field refusals below patch these, so the structural
+    check, not the CRC, speaks."""
+    assert struct.unpack_from("<H", blob, 22)[0] == FLAG_CRC32
+    b = bytearray(blob[:-4])
+    struct.pack_into("<H", b, 22, 0)
+    return bytes(b)
+
+
+def sealed(blob):
+    """``blob`` (an unsealed record, patched or not) with a CRC-32 that
+    matches: what an exporter writes when its record itself is wrong."""
+    b = bytearray(blob)
+    struct.pack_into("<H", b, 22, FLAG_CRC32)
+    return bytes(b) + struct.pack("<I", zlib.crc32(b))
+
+
 def v3_blob(mode=KvMode.Q8_2F, n=5):
-    return make(mode, n, seed=11).export_wire()
+    return unsealed(make(mode, n, seed=11).export_wire())
 
 
 def offsets(blob):
@@ -308,13 +326,16 @@ def offsets(blob):
 
 
 def refused(blob, meaning, mode=KvMode.Q8_2F, at=None):
+    """``blob`` (unsealed) and its sealed twin are both refused, naming the
+    same field at the same byte, and change nothing."""
     c = make(mode, 4, seed=1)
     before = snapshot(c)
-    with pytest.raises(WireError) as info:
-        c.import_wire(bytes(blob))
-    assert meaning in str(info.value), str(info.value)
-    if at is not None:
-        assert info.value.offset == at and f"(at byte {at})" in str(info.value)
+    for b in (bytes(blob), sealed(blob)):
+        with pytest.raises(WireError) as info:
+            c.import_wire(b)
+        assert meaning in str(info.value), str(info.value)
+        if at is not None:
+            assert info.value.offset == at and f"(at byte {at})" in str(info.value)
     assert snapshot(c) == before
     return info.value
 
@@ -325,10 +346,19 @@ def test_every_truncation_is_refused_and_changes_nothing(mode):
     c = make(mode, 4, seed=1)
     before = snapshot(c)
     for cut in range(len(blob)):
-        with pytest.raises(WireError, match="truncated|mode name length"):
+        # the CRC-32 is checked first: a cut record fails it (or is too
+        # short to hold one)
+        with pytest.raises(WireError, match="fails its CRC-32|truncated"):
             c.import_wire(blob[:cut])
+    old = unsealed(blob)
+    # every cut through the fields and the block table, and through the
+    # payloads at a stride (a q4 record is tens of KB)
+    table_end = offsets(old)["payload"]
+    for cut in sorted(set(range(min(table_end + 64, len(old)))) | set(range(table_end, len(old), 29))):
+        with pytest.raises(WireError, match="truncated|mode name length"):
+            c.import_wire(old[:cut])
     assert snapshot(c) == before
-    refused(blob + b"\0", "1 trailing byte(s) after the record", mode, at=len(blob))
+    refused(old + b"\0", "1 trailing byte(s) after the record", mode, at=len(old))
 
 
 def test_refuses_an_unknown_mode_naming_the_known_ones():
@@ -480,7 +510,7 @@ def test_v3_layout_byte_by_byte():
 
     def entry(name, code, rc, dims):
         return bytes([len(name)]) + name.encode() + bytes([code, rc, len(dims)]) + u32(*dims)
-    want = (b"CMFS" + u32(3) + struct.pack("<Q", 0xABC) + u32(7) + bytes([0, 0]) + b"\0\0" + struct.pack("<Q", 2)
+    want = (b"CMFS" + u32(3) + struct.pack("<Q", 0xABC) + u32(7) + bytes([0, 0]) + b"\1\0" + struct.pack("<Q", 2)
             + u32(3) + b"q8v" + u32(2, 1, 4, 1, 0, 2, 6) + np.float32([0.25, 0.75]).tobytes()
             + u32(2) + u32(1)   # lens, xlen
             + entry("k", 1, 0, [4]) + entry("vq", 3, 0, [4]) + entry("vs", 1, 0, []) + entry("xv", 1, 1, [4])
@@ -489,6 +519,7 @@ def test_v3_layout_byte_by_byte():
             + st.b8.astype("<i8").tobytes() + st.thv[0].tobytes())
     # both rows are still in q8v's float16 window: their int8 slots are zero
     assert not st.vq[0, :2].any() and st.b8.tolist() == [0]
+    want += u32(zlib.crc32(want))   # flags bit 0: a CRC-32 of every byte before it ends the record
     assert c.export_wire() == want
     assert [d.str for d in (DTYPE_CODES[1], DTYPE_CODES[2], DTYPE_CODES[3], DTYPE_CODES[6])] == \
         ["<f4", "<f2", "|i1", "<u2"]
@@ -578,13 +609,27 @@ def mutated(draw):
         elif op == "table" and len(blob) > 40:
             # aim at the fields and the table (the first ~300 bytes)
             blob[draw(hs.integers(32, min(len(blob), 330) - 1))] = draw(hs.sampled_from([0, 1, 2, 3, 9, 255]))
+    if len(blob) >= 36 and struct.unpack_from("<H", blob, 22)[0] == FLAG_CRC32 and draw(hs.booleans()):
+        # resealed: a CRC-32 that matches, as an exporter's own fault would
+        # send, so the change reaches the field checks and the install
+        return sealed(unsealed(bytes(blob)))
     return bytes(blob)
 
 
-@settings(max_examples=100_000 if LONG else 600, deadline=None, database=None, derandomize=not LONG,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(mutated())
 def test_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
+    fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob)
+
+
+@pytest.mark.long_fuzz
+@settings(max_examples=100_000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(mutated())
+def test_long_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
+    fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob)
+
+
+def fuzzed_v3_blob_raises_only_wire_error_and_changes_nothing(blob):
     assert isinstance(inspect(blob), str)
     mode = blob[36:36 + struct.unpack_from("<I", blob, 32)[0]].decode("ascii", "replace") \
         if len(blob) >= 36 and struct.unpack_from("<I", blob, 32)[0] < 16 else "q8"
@@ -599,7 +644,7 @@ def test_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
     # accepted: the layer re-exports what it took, and still works
     again = c.export_wire()
     if mode is not KvMode.F32 and blob[20] in (0, 3):
-        assert again == blob
+        assert again == (blob if blob[22] else sealed(blob))
     c.append(np.ones(NKV * HD, np.float32), np.ones(NKV * HD, np.float32))
     c.attend_layer(np.ones((NKV, HD), np.float32))
 
@@ -607,7 +652,7 @@ def test_fuzzed_v3_blobs_raise_only_wire_error_and_change_nothing(blob):
 def test_decode_with_a_plain_expect_checks_structure_only():
     # A codec user without the layer's storage schema still gets every
     # structural check, and the record re-encodes to the same bytes.
-    blob = v3_blob(n=70)
+    blob = make(KvMode.Q8_2F, 70, seed=11).export_wire()
     st = decode_layer(blob, Expect(NKV, HD))
     assert st.version == 3 and st.mode == "q8_2f" and st.storage.exact_cap == EXACT
     assert encode_layer(st, f16=False) == blob

@@ -30,6 +30,10 @@ How it works:
   copies into its own growable storage anyway, and the wire is versioned,
   carries every storage mode exactly and is validated in full before
   anything changes (``docs/wire.md``).
+- **Integrity**: the meta carries the blob's size and CRC-32, which the
+  decode worker checks before it reads a byte; inside, every ``KVRC``
+  container carries a CRC-32 per layer record. A state changed on its way
+  is refused (:class:`~kvreg.errors.WireError`), never decoded from.
 - A **decode worker** imports the state into a fresh ``KvregCache`` of the
   same options (:meth:`DecodeWorker.load`) and continues greedy decoding
   where prefill stopped (:meth:`DecodeWorker.decode`): it feeds the last
@@ -61,6 +65,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -74,7 +79,7 @@ except ImportError as exc:   # pragma: no cover - exercised only without the ext
     raise ConfigError(f"kvreg.integrations.ray needs ray ({exc}); pip install 'kvreg[ray]'") from exc
 
 __all__ = ["CACHE_OPTIONS", "DecodeWorker", "Engine", "GenerateResult", "PrefillWorker", "SequenceMeta", "generate",
-           "wire_array"]
+           "wire_array", "wire_crc32"]
 
 #: The ``KvregCache`` options a sequence state carries (the decode worker
 #: builds its cache with the same ones).
@@ -91,7 +96,9 @@ class SequenceMeta:
     sequence is done (``eos`` included in ``tokens``, as ``generate`` does).
     ``cache_options``: the ``KvregCache`` options (:data:`CACHE_OPTIONS`).
     ``wire_bytes``: the blob's size; ``checkpoint``: how many states this
-    sequence has shipped (0: prefill's)."""
+    sequence has shipped (0: prefill's); ``wire_crc32``: the blob's CRC-32,
+    checked by the loading worker before it imports anything (None: not
+    checked; the blob's own records and containers carry theirs)."""
 
     request_id: str
     prompt_len: int
@@ -101,6 +108,7 @@ class SequenceMeta:
     cache_options: dict = field(default_factory=dict)
     wire_bytes: int = 0
     checkpoint: int = 0
+    wire_crc32: int | None = None
 
     @property
     def seen(self) -> int:
@@ -110,6 +118,11 @@ class SequenceMeta:
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_new_tokens or (bool(self.tokens) and self.tokens[-1] in self.eos_token_ids)
+
+
+def wire_crc32(wire) -> int:
+    """The CRC-32 (zlib's) of a shipped blob, ``bytes`` or :func:`wire_array`."""
+    return zlib.crc32(memoryview(wire).cast("B"))
 
 
 def wire_array(blob: bytes) -> np.ndarray:
@@ -211,7 +224,7 @@ class Engine:
         first = self._next(cache, ids)
         blob = cache.export_wire()
         meta = SequenceMeta(request_id or uuid.uuid4().hex, len(ids), (first,), max_new_tokens, eos,
-                            options, len(blob), 0)
+                            options, len(blob), 0, wire_crc32(blob))
         return meta, wire_array(blob)
 
     def load(self, meta: SequenceMeta, wire) -> int:
@@ -225,12 +238,27 @@ class Engine:
                               f"{meta.prompt_len} and {len(meta.tokens)} token(s)")
         if isinstance(wire, np.ndarray) and wire.dtype != np.uint8:
             raise WireError(f"expected the wire blob as a uint8 array (wire_array) or bytes, got a {wire.dtype} array")
+        if meta.wire_crc32 is not None:
+            # The whole blob, its KvregCache header included, before any of
+            # it is read: a state changed on its way is refused as such.
+            try:
+                got, size = wire_crc32(wire), memoryview(wire).nbytes
+            except TypeError:
+                raise WireError(f"expected the wire blob as a uint8 array (wire_array) or bytes, got "
+                                f"{type(wire).__name__}") from None
+            if (got, size) != (meta.wire_crc32, meta.wire_bytes):
+                raise WireError(f"the blob of request {meta.request_id} (checkpoint {meta.checkpoint}) is not the "
+                                f"one its meta describes: {size} bytes of CRC-32 {got:08x}, expected "
+                                f"{meta.wire_bytes} bytes of CRC-32 {meta.wire_crc32:08x}; it was changed in transit")
         options = _check_options(meta.cache_options)
         cache = self._cache(options)
         cache.import_wire(wire)
-        if cache.get_seq_length() != meta.seen:
-            raise WireError(f"the blob holds {cache.get_seq_length()} positions; expected {meta.seen} for "
-                            f"request {meta.request_id} (prompt {meta.prompt_len} + {len(meta.tokens)} tokens - 1)")
+        seen = sorted({layer.seen for layer in cache.layers})
+        if seen != [meta.seen]:
+            # One sequence: every layer has seen every position.
+            raise WireError(f"the blob holds {', '.join(map(str, seen))} positions per layer; expected {meta.seen} "
+                            f"for request {meta.request_id} (prompt {meta.prompt_len} + {len(meta.tokens)} tokens "
+                            "- 1) in every layer")
         self._seqs[meta.request_id] = (cache, meta)
         return meta.seen
 
@@ -251,7 +279,8 @@ class Engine:
             if on_token is not None:
                 on_token(len(tokens))
         blob = cache.export_wire()
-        meta = replace(meta, tokens=tuple(tokens), wire_bytes=len(blob), checkpoint=meta.checkpoint + 1)
+        meta = replace(meta, tokens=tuple(tokens), wire_bytes=len(blob), checkpoint=meta.checkpoint + 1,
+                       wire_crc32=wire_crc32(blob))
         self._seqs[request_id] = (cache, meta)
         return meta, wire_array(blob)
 

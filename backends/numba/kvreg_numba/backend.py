@@ -28,6 +28,7 @@ from kvreg.errors import BackendError
 from kvreg.layer import Q8_ABS_MAX
 from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.plugin import check_batch
+from kvreg.registry import cpu_device
 from kvreg.reference import ReferenceBackend
 
 
@@ -222,8 +223,8 @@ class NumbaBackend(ReferenceBackend):
     native_modes = frozenset(m for m in KvMode if not m.tiered)
 
     def __init__(self, device: str | None = None):
-        if device not in (None, "cpu"):
-            raise BackendError(f"the numba backend runs on the CPU only, not on {device!r}")
+        if device is not None and not cpu_device(device):
+            raise BackendError(f"the numba backend runs on the CPU only ('cpu' or 'cpu:0'), not on {device!r}")
         super().__init__("cpu")
         from kvreg.threads import get_num_threads
 

@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 
 from kvreg.errors import BackendError, ConfigError
+from kvreg.threads import cpu_threads
 
 INSTALL_HINT = (
     "install an OpenCL driver: `pip install pocl-binary-distribution` for the "
@@ -61,7 +62,25 @@ def _cl():
     return cl
 
 
+def bound_pocl_threads() -> None:
+    """Lower ``POCL_MAX_PTHREAD_COUNT`` to the CPUs this process may run on
+    (:func:`kvreg.threads.cpu_threads`) before OpenCL is first opened. PoCL
+    starts that many worker threads at once when it opens its CPU device,
+    and has no bound of its own: ``KVREG_THREADS=1000000``, which the backend
+    hands over (numba clamps it to its pool), ends the process with SIGABRT,
+    2**31-1 with SIGSEGV. More workers than CPUs only take turns,
+    so the host's own value is lowered as well; a value PoCL would not read
+    as a count is PoCL's to judge."""
+    raw = os.environ.get("POCL_MAX_PTHREAD_COUNT")
+    if raw is None or not raw.strip().isdigit():
+        return
+    cpus = cpu_threads()
+    if int(raw) > cpus:
+        os.environ["POCL_MAX_PTHREAD_COUNT"] = str(cpus)
+
+
 def _platforms(cl):
+    bound_pocl_threads()
     try:
         plats = cl.get_platforms()
     except Exception as exc:  # pyopencl raises LogicError on "no platforms"
