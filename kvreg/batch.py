@@ -61,9 +61,9 @@ def attend_batch(q, layers, *, scale: float | None = None, window: int | None = 
         args = [layer._decode_args(nh, scale, window, softcap, sinks, importance) for layer in layers]
         sealed = [layer.lifecycle is Lifecycle.SEALED for layer in layers]
         for i in np.flatnonzero(sealed):
-            o = layers[i]._o1
-            if not (o.auto and o.staged is not None):
-                layers[i]._o1_auto_attend(qb[i])  # raises its refusal before anything changed
+            seal = layers[i].seal
+            if not (seal.auto and seal.staged is not None):
+                seal.auto_attend(qb[i])  # raises its refusal before anything changed
         open_ = [i for i, s in enumerate(sealed) if not s]
         with_sinks = [args[i]["sinks"] is not None for i in open_]
         if any(with_sinks) and not all(with_sinks):
@@ -86,9 +86,9 @@ def attend_batch(q, layers, *, scale: float | None = None, window: int | None = 
                 res = first.backend.rotate_rows(res)
             out[open_] = res
             for i in open_:
-                layers[i]._o1_record(qb[i])
+                layers[i].seal.record(qb[i])
         for i in np.flatnonzero(sealed):
-            out[i] = layers[i]._o1_auto_attend(qb[i])
+            out[i] = layers[i].seal.auto_attend(qb[i])
         return out
 
 

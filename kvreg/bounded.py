@@ -25,12 +25,13 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvreg.errors import ConfigError, ShapeError, StateError
-from kvreg.plugin import RingView, readonly
+from kvreg.views import RingView, readonly
 
 __all__ = [
     "BoundedRope",
@@ -337,7 +338,7 @@ class BoundedState:
         k32 = _f32_rows(k, shape, "BoundedState.insert k")
         v32 = _f32_rows(v, shape, "BoundedState.insert v")
         if self._seen >= MAX_SEEN:
-            raise StateError(f"BoundedState.insert: the ring is at position 2**53, past which "
+            raise StateError("BoundedState.insert: the ring is at position 2**53, past which "
                              "float64 RoPE angles are not exact")
         slot = self._seen % self.window
         if self.undo_depth:
@@ -581,3 +582,38 @@ def bounded_attend(q, ring: RingView, *, scale: float, num_heads: int) -> np.nda
     z = e_sink.sum(axis=2, keepdims=True) + e_ring.sum(axis=2, keepdims=True)
     out = np.matmul(e_ring / z, vals) + np.matmul(e_sink / z, sv)
     return out.reshape(kvh * hpk, hd)
+
+
+class Ring:
+    """A bounded layer's ring (``layer.ring``): the :class:`BoundedState`
+    installed once at load, and the decode step over it on the layer's
+    backend. Nothing is stored per position."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, window: int, *, undo_depth: int = 8):
+        self.state = BoundedState(num_kv_heads, head_dim, window, undo_depth=undo_depth)
+
+    def step(self, backend, q, k, v, weights: BoundedWeights, rope: BoundedRope, scale: float,
+             num_heads: int) -> np.ndarray:
+        """Insert raw ``k, v [kvh, hd]`` into slot ``t mod W``, then attend
+        every Q head of raw ``q [nh, hd]`` over its group's sinks and newest
+        rows on ``backend``. Everything is validated against the ring as it
+        will be after the insert, before the insert: a refused step leaves
+        the ring as it was."""
+        b = self.state
+        after = ring_view(b.ring_k, b.ring_v, b.seen + 1, weights.sink_k, weights.sink_v,
+                          weights.group_windows, rope)
+        check_bounded_attend_args(q, after, scale, num_heads)
+        b.insert(k, v)
+        return backend.bounded_attend(q, b.view(weights, rope), scale=scale, num_heads=num_heads)
+
+    def state_bytes(self) -> int:
+        return self.state.state_bytes()
+
+    def rollback(self, d: int) -> int:
+        """Undo the last ``d`` inserts as far as the undo rows reach (a warning
+        says when they do not); returns the positions the ring then holds."""
+        rolled = self.state.rollback(d)
+        if rolled < d:
+            warnings.warn(f"bounded anchor: rollback of {d} exceeds the undo depth ({rolled} restored)",
+                          stacklevel=4)
+        return self.state.seen

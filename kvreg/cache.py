@@ -177,10 +177,10 @@ class KvCache:
         return stack
 
     def _import_blobs(self, blobs) -> None:
-        records = [decode_layer(blob, layer._wire_expect()) for layer, blob in zip(self.layers, blobs)]
+        records = [decode_layer(blob, layer.wire.expect()) for layer, blob in zip(self.layers, blobs)]
         # Everything an install could refuse is refused, and everything it
         # allocates is allocated, before the first layer changes: a bad
         # record after good ones changes nothing.
-        plans = [layer._prepare(rec) for layer, rec in zip(self.layers, records)]
+        plans = [layer.wire.prepare(rec) for layer, rec in zip(self.layers, records)]
         for layer, plan in zip(self.layers, plans):
-            layer._install(plan)
+            layer.wire.install(plan)

@@ -68,8 +68,7 @@ class DecodeStep:
             if fast is not None:
                 if self._unchanged(lay) and lay._base + lay._seq_len < V.MAX_POSITION:
                     if fast(k, v, q) is not None:
-                        lay._fresh = None
-                        lay._seq_len += 1
+                        lay._row_stored()
                         self._version = lay._st.version
                         return self.out
                     self._retry = RETRY_AFTER   # declined, having stored nothing

@@ -14,6 +14,11 @@ KV_COL_WARMUP = 64
 #: Channels per K scale group under q8 (V has one scale per row).
 KV_K_GROUP = 32
 
+#: The largest |value| a q8 layer stores: the 2f field is a float32 RMS over
+#: the first KV_COL_WARMUP (64) rows, Σ x² of which stays finite (64·1e36 <
+#: 3.4e38), and a row divided by the smallest field (1e-6) stays finite too.
+Q8_ABS_MAX = 1e18
+
 #: Leading rows of each head a q8 layer also keeps in float32 and attends
 #: exactly: the attention sink (KVQuant keeps the first token in full
 #: precision; models whose sink spans several tokens want StreamingLLM's 4).

@@ -38,22 +38,19 @@ Numerics contract (the conformance suite checks it):
 from __future__ import annotations
 
 import abc
-from collections import namedtuple
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
-from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
-from .quant import dequantize_half_scaled, dequantize_rows, from_half, unpack_int4
+from . import bounded, nystrom, tiered_seal
+from .modes import KvMode
+from .views import KvView, RingView
 
-if TYPE_CHECKING:
-    from .bounded import BoundedRope
-    from .nystrom import FarField
 
-#: Every kernel a backend implements (``kvreg info`` says which natively).
-KERNELS = (
+#: The kernels every backend implements (abstract on :class:`Backend`).
+CORE_KERNELS = (
     "attend_group",
     "attend_layer",
     "attend_batch",
@@ -62,33 +59,22 @@ KERNELS = (
     "freeze_field",
     "gather_rows",
     "rotate_rows",
-    "bounded_attend",
-    "nystrom_prefill",
-    "nystrom_absorb",
-    "nystrom_step",
 )
 
-_NO_FLOOR = np.iinfo(np.int64).max
+#: The optional capabilities, each the kernels of one feature. A backend
+#: declares those it accelerates (:attr:`Backend.provides`) and overrides
+#: some of their kernels; every other one runs the reference's NumPy code,
+#: which is what :class:`Backend`'s own methods for them are.
+CAPABILITIES: dict[str, tuple[str, ...]] = {
+    "bounded_ring": ("bounded_attend",),
+    "nystrom": ("nystrom_prefill", "nystrom_absorb", "nystrom_step"),
+    "tiered_seal": ("tiered_attend",),
+    "fused_decode": ("append_attend_layer", "prepare_append_attend", "store_window_row"),
+}
 
-
-def readonly(a: np.ndarray | None) -> np.ndarray | None:
-    """A read-only view of ``a`` (None stays None)."""
-    if a is None:
-        return None
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
-#: The row and field arrays of a :class:`KvView` (None where the mode has
-#: none): read-only views of the storage's own.
-KV_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4",
-             "v4s", "t8k", "t8ks", "t8v", "t8vs")
-#: The per-head counts and flags of a :class:`KvView`: copies taken at its version.
-KV_COUNTS = ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set")
-#: Every field of a :class:`KvView`, in order.
-KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "ngk", "cap", "exact_cap", "window", "rot_k",
-             "rot_v") + KV_ARRAYS + KV_COUNTS + ("version", "reset_version", "log_start", "floors")
+#: Every kernel (``kvreg info`` says which a backend runs natively); the
+#: fused decode's hooks are paths, not kernels of their own.
+KERNELS = CORE_KERNELS + tuple(k for cap, ks in CAPABILITIES.items() if cap != "fused_decode" for k in ks)
 
 
 def check_batch(q, kvs, imps) -> tuple[np.ndarray, list]:
@@ -116,122 +102,6 @@ def check_batch(q, kvs, imps) -> tuple[np.ndarray, list]:
     if q.shape[2] != hd or q.shape[1] % nkv:
         raise ShapeError(f"attend_batch: q is {q.shape}, the layers hold {nkv} KV heads of {hd}")
     return q, kvs
-
-
-class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
-    """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
-
-    Head ``h`` holds ``lens[h]`` rows. Which blocks are present depends on
-    ``mode`` (absent ones are None):
-
-    * unquantized side: ``k``/``v [nkv, cap, hd]`` in ``mode.float_dtype``
-      (float32, float16, or bfloat16 as uint16 bits);
-    * q8 side: ``kq [nkv, cap, hd]`` int8 with ``ks [nkv, cap, ngk]`` float32
-      scales (``KV_K_GROUP`` channels each), ``vq`` with ``vs [nkv, cap]``;
-      a 2f field ``kcol``/``vcol [nkv, hd]`` applies where ``kcol_set[h]``;
-    * exact rows: ``xk``/``xv [nkv, exact_cap, hd]`` float32 in field space,
-      rows ``[0, xlen[h])`` of head ``h`` are read there;
-    * float16 window (``window > 0``): rows ``[b8[h], lens[h])`` of a
-      quantized side are ``thk``/``thv [nkv, window, hd]`` (oldest first),
-      not the integer blocks;
-    * q4 (``mode.tiered``): int4 ``k4``/``v4`` with ``k4s``/``v4s`` below
-      ``b4[h]``, the int8 tier ``t8k``/``t8v`` (``t8ks``/``t8vs``) over
-      ``[b4, b8)``, the window above. Read rows with :meth:`attended_rows`.
-
-    Rows of a side with ``rot_k``/``rot_v`` are in the Walsh–Hadamard
-    rotated basis (the layer rotates queries and un-rotates outputs).
-    """
-
-    # A named tuple: immutable, and built in about a microsecond per version
-    # (a decode step builds one per layer). ``owner`` is the storage's
-    # identity (a device mirror's key; not for reading). The change log
-    # behind :meth:`unchanged_rows`: ``reset_version`` the version of the last
-    # rewrite of every row, ``log_start`` the version up to which truncation
-    # records were dropped, ``floors`` ``(version, lens)`` per truncation.
-    __slots__ = ()
-
-    def unchanged_rows(self, since: int | None) -> np.ndarray | None:
-        """Per head, how many leading rows are the same bits as at version
-        ``since`` (a device mirror re-uploads from there): None when
-        everything may have changed (``since`` is None or older than the last
-        rewrite, or the truncation log no longer reaches back), else an
-        int64 ``[nkv]`` floor (``INT64_MAX`` where only appends happened —
-        the caller takes the minimum with the rows it holds). Under a window
-        the integer rows below the ``b8`` the caller saw are covered too."""
-        if since is None or since < max(self.reset_version, self.log_start):
-            return None
-        floor = np.full(self.num_kv_heads, _NO_FLOOR, np.int64)
-        for ver, lens in self.floors:
-            if ver > since:
-                np.minimum(floor, lens, out=floor)
-        return floor
-
-    def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
-        """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them,
-        float32 ``[n-lo, hd]``: unquantized rows widened (f32: a view), q8
-        ``q·s·col`` with the window rows widened and the exact rows ``x·col``,
-        q4 each row from its tier. ``side`` is ``"k"`` or ``"v"``."""
-        if self.mode.tiered:
-            return self._tiered_rows(side, h, lo, n)
-        quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
-        if not quantized:
-            return from_half((self.k if side == "k" else self.v)[h, lo:n])
-        if side == "k":
-            rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
-        else:
-            rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
-        if self.window:
-            b8 = int(self.b8[h])
-            w0 = max(lo, b8)
-            if n > w0:
-                th = self.thk if side == "k" else self.thv
-                rows[w0 - lo:] = th[h, w0 - b8:n - b8]
-        x = self.xk if side == "k" else self.xv
-        xl = int(self.xlen[h])
-        if lo < xl:
-            rows[: xl - lo] = x[h, lo:xl]
-        col, col_set = (self.kcol, self.kcol_set) if side == "k" else (self.vcol, self.vcol_set)
-        return rows * col[h] if col_set[h] else rows
-
-    def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
-        hd = self.head_dim
-        b4, b8 = int(self.b4[h]), int(self.b8[h])
-        out = np.empty((max(n - lo, 0), hd), np.float32)
-        z = min(b4, n)
-        if z > lo:
-            codes = unpack_int4((self.k4 if side == "k" else self.v4)[h, lo:z], hd)
-            scales = (self.k4s if side == "k" else self.v4s)[h, lo:z]
-            out[: z - lo] = dequantize_half_scaled(codes, scales, Q4_K_GROUP if side == "k" else Q4_V_GROUP)
-        a0, z = max(lo, b4), min(b8, n)
-        if z > a0:
-            t8, t8s = (self.t8k, self.t8ks) if side == "k" else (self.t8v, self.t8vs)
-            o = a0 - b4
-            out[a0 - lo: z - lo] = dequantize_half_scaled(t8[h, o:o + z - a0], t8s[h, o:o + z - a0], Q4_INT8_GROUP)
-        a0 = max(lo, b8)
-        if n > a0:
-            th = self.thk if side == "k" else self.thv
-            out[a0 - lo:] = th[h, a0 - b8:n - b8].astype(np.float32)
-        xl = min(int(self.xlen[h]), n)
-        if lo < xl:
-            out[: xl - lo] = (self.xk if side == "k" else self.xv)[h, lo:xl]
-        return out
-
-
-class RingView(namedtuple("_RingViewFields", ("k", "v", "seen", "sink_k", "sink_v", "group_windows", "rope",
-                                               "owner", "version", "reset_version"))):
-    """A bounded layer's ring at one ``version``, with what attending it needs.
-
-    ``k``/``v [kvh, window, hd]`` float32 raw (un-rotated) rows, token ``t``
-    in slot ``t % window``; ``seen`` tokens inserted; ``sink_k``/``sink_v
-    [kvh, sink, hd]`` position-free sink rows; ``group_windows [kvh]`` int64
-    (each group reads its newest ``min(len, w_g)`` rows); ``rope`` the
-    rotation. ``version`` moves on every mutation of the ring;
-    ``reset_version`` is the version of the last one that was not an insert
-    (rollback, restore, load, clear): a mirror at version ``u >=
-    reset_version`` that saw ``seen_u`` is current after uploading the slots
-    of positions ``[seen_u, seen)``.
-    """
-    __slots__ = ()
 
 
 class Backend(abc.ABC):
@@ -263,6 +133,10 @@ class Backend(abc.ABC):
     conformance_xfail: ClassVar[str | None] = None
     #: True on the NumPy reference only: its kernels are nobody's native ones.
     is_reference: ClassVar[bool] = False
+    #: The optional capabilities (:data:`CAPABILITIES`) whose kernels this
+    #: backend accelerates; registration refuses a declaration its class
+    #: does not back with an override, and an override it does not declare.
+    provides: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, device: str | None = None):
         self.device = device or "cpu"
@@ -283,15 +157,43 @@ class Backend(abc.ABC):
         return cls.devices()
 
     @classmethod
-    def native_kernels(cls) -> list[str]:
-        """Kernels this class defines, or a parent of it other than the
-        reference (whose kernels are native to the reference alone)."""
+    def _is_the_reference(cls) -> bool:
+        # a subclass of the reference inherits its kernels, not its standing
+        return bool(cls.__dict__.get("is_reference", False))
+
+    @classmethod
+    def _overrides(cls, names) -> list[str]:
+        """Of ``names``, the methods this class defines, or a parent of it
+        other than the reference and this base (theirs are the reference's)."""
         out = []
-        for k in KERNELS:
+        for k in names:
             owner = next((c for c in cls.__mro__ if k in c.__dict__), Backend)
             if owner is not Backend and (owner is cls or not owner.__dict__.get("is_reference", False)):
                 out.append(k)
         return out
+
+    @classmethod
+    def native_kernels(cls) -> list[str]:
+        """Kernels this backend runs natively (every one, on the reference)."""
+        return list(KERNELS) if cls._is_the_reference() else cls._overrides(KERNELS)
+
+    @classmethod
+    def declaration_error(cls) -> str | None:
+        """Why :attr:`provides` does not match the class (None when it does):
+        an unknown capability, a declared one none of whose kernels the
+        class overrides, or an override of a capability it does not declare."""
+        if cls._is_the_reference():
+            return None
+        unknown = sorted(set(cls.provides) - set(CAPABILITIES))
+        if unknown:
+            return f"provides unknown capabilities {', '.join(unknown)} (known: {', '.join(CAPABILITIES)})"
+        for cap, kernels in CAPABILITIES.items():
+            overridden = cls._overrides(kernels)
+            if cap in cls.provides and not overridden:
+                return f"declares {cap!r} but overrides none of its kernels ({', '.join(kernels)})"
+            if overridden and cap not in cls.provides:
+                return f"overrides {', '.join(overridden)} without declaring {cap!r} in provides"
+        return None
 
     @classmethod
     def capabilities(cls) -> dict[str, Any]:
@@ -299,6 +201,7 @@ class Backend(abc.ABC):
         return {
             "native_kernels": cls.native_kernels(),
             "native_modes": sorted(m.value for m in cls.native_modes),
+            "provides": sorted(CAPABILITIES) if cls._is_the_reference() else sorted(cls.provides),
             "parallel_seal": cls.parallel_seal,
             "native_q8_chunk": cls.native_q8_chunk,
             "device_resident": cls.device_resident,
@@ -308,10 +211,11 @@ class Backend(abc.ABC):
     def capability_lines(cls) -> list[str]:
         """The declarations as ``kvreg info`` and the conformance header print them."""
         caps = cls.capabilities()
-        native, modes = caps.pop("native_kernels"), caps.pop("native_modes")
+        native, modes, provides = caps.pop("native_kernels"), caps.pop("native_modes"), caps.pop("provides")
         flags = [k for k, v in caps.items() if v]
         return [f"native kernels: {', '.join(native) or 'none (inherits the reference)'}",
                 f"native KV modes: {', '.join(modes) or 'none (the reference reads every mode)'}",
+                f"capabilities: {', '.join(provides) or 'none (the reference runs them)'}",
                 f"declares: {', '.join(flags) or 'nothing beyond the kernels'}"]
 
     def __repr__(self) -> str:
@@ -403,7 +307,7 @@ class Backend(abc.ABC):
     def store_window_row(self, k: np.ndarray, v: np.ndarray, *, rot_k: bool, rot_v: bool, thk, thv, kq, ks,
                          vq, vs, kf, vf, lens: np.ndarray, b8: np.ndarray, imp: np.ndarray, seq: int,
                          exact_cap: int) -> bool:
-        """Optional: the decode append of a q8 (q8k, q8v) storage whose float16
+        """``fused_decode``: the decode append of a q8 (q8k, q8v) storage whose float16
         window is full, in one call. ``k``/``v`` ``[nkv, hd]`` float32 as the
         layer got them. First check that state (every head holds the same
         count ``n >= exact_cap``, and ``b8`` is ``n - w`` on every head, ``w``
@@ -424,7 +328,7 @@ class Backend(abc.ABC):
                             owner, scale: float, window: int | None = None, softcap: float = 0.0,
                             sinks: np.ndarray | None = None, importance: bool = False,
                             out: np.ndarray | None = None) -> np.ndarray | None:
-        """Optional: a decode step in one call. ``st`` is an F32, f16 or bf16
+        """``fused_decode``: a decode step in one call. ``st`` is an F32, f16 or bf16
         storage, or a q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`,
         read as a view would be), with a free slot for the row
         (``imp``/``seq``: its importance slot); ``owner`` is its rows'
@@ -450,7 +354,7 @@ class Backend(abc.ABC):
     def prepare_append_attend(self, st, *, owner, shape: tuple[int, int], scale: float, window: int | None = None,
                               softcap: float = 0.0, sinks: np.ndarray | None = None, importance: bool = False,
                               out: np.ndarray | None = None):
-        """Optional: :meth:`append_attend_layer` prepared once for a run of
+        """``fused_decode``: :meth:`append_attend_layer` prepared once for a run of
         decode steps (:class:`kvreg.DecodeStep`): a callable ``step(k, v, q,
         imp, seq)`` that does what ``append_attend_layer(k, v, q, st,
         imp=imp, seq=seq, ...)`` with these arguments does (queries of
@@ -471,34 +375,40 @@ class Backend(abc.ABC):
                                             softcap=softcap, sinks=sinks, importance=importance, out=out)
         return step
 
-    # ── bounded layers ──
+    # ── optional capabilities: these bodies are the reference's ──
 
-    @abc.abstractmethod
     def bounded_attend(self, q: np.ndarray, ring: RingView, *, scale: float, num_heads: int) -> np.ndarray:
-        """Attend raw ``q [num_heads, hd]`` at position ``ring.seen - 1`` over
-        each group's sinks and its newest ring rows, RoPE applied to the
-        query and each row at its position: the contract of
-        :func:`kvreg.bounded.bounded_attend`. Returns ``[num_heads, hd]`` float32."""
+        """``bounded_ring``: attend raw ``q [num_heads, hd]`` at position
+        ``ring.seen - 1`` over each group's sinks and its newest ring rows,
+        RoPE applied to the query and each row at its position: the contract
+        of :func:`kvreg.bounded.bounded_attend`. Returns ``[num_heads, hd]``
+        float32."""
+        return bounded.bounded_attend(q, ring, scale=scale, num_heads=num_heads)
 
-    # ── the O(1) seal's far field ──
-
-    @abc.abstractmethod
     def nystrom_prefill(self, probes: np.ndarray, k_far: np.ndarray, v_far: np.ndarray, *,
                         scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Far sums of probe queries ``probes [hpk, p, hd]`` over far rows
-        ``k_far``/``v_far [n >= 1, hd]``: ``(c, z [hpk, p], theta [hpk, p,
-        hd])`` float64 (:func:`kvreg.nystrom.nystrom_prefill`)."""
+        """``nystrom``: far sums of probe queries ``probes [hpk, p, hd]`` over
+        far rows ``k_far``/``v_far [n >= 1, hd]``: ``(c, z [hpk, p], theta
+        [hpk, p, hd])`` float64 (:func:`kvreg.nystrom.nystrom_prefill`)."""
+        return nystrom.nystrom_prefill(probes, k_far, v_far, scale)
 
-    @abc.abstractmethod
-    def nystrom_absorb(self, far: "FarField", k_row: np.ndarray, v_row: np.ndarray, *,
-                       scale: float) -> "FarField":
-        """The far field after one more row (leaving the window) joined it:
-        a new :class:`~kvreg.nystrom.FarField`; ``far`` is not modified
-        (:func:`kvreg.nystrom.nystrom_absorb`)."""
+    def nystrom_absorb(self, far: nystrom.FarField, k_row: np.ndarray, v_row: np.ndarray, *,
+                       scale: float) -> nystrom.FarField:
+        """``nystrom``: the far field after one more row (leaving the window)
+        joined it: a new :class:`~kvreg.nystrom.FarField`; ``far`` is not
+        modified (:func:`kvreg.nystrom.nystrom_absorb`)."""
+        return nystrom.nystrom_absorb(far, k_row, v_row, scale)
 
-    @abc.abstractmethod
     def nystrom_step(self, q_group: np.ndarray, k_exact: np.ndarray, v_exact: np.ndarray,
-                     far: "FarField | None", *, scale: float) -> np.ndarray:
-        """One sealed decode read of a group: ``q_group [hpk, hd]`` over the
-        exact rows ``k_exact``/``v_exact [e >= 1, hd]`` plus the far estimate:
-        ``[hpk, hd]`` float32 (:func:`kvreg.nystrom.nystrom_step`)."""
+                     far: nystrom.FarField | None, *, scale: float) -> np.ndarray:
+        """``nystrom``: one sealed decode read of a group: ``q_group [hpk, hd]``
+        over the exact rows ``k_exact``/``v_exact [e >= 1, hd]`` plus the far
+        estimate: ``[hpk, hd]`` float32 (:func:`kvreg.nystrom.nystrom_step`)."""
+        return nystrom.nystrom_step(q_group, k_exact, v_exact, far, scale)
+
+    def tiered_attend(self, q: np.ndarray, tiers, *, scale: float) -> tuple[np.ndarray, list[np.ndarray]]:
+        """``tiered_seal``: the attention of a tiered seal's decode step,
+        ``q [nkv, hpk, hd]`` float32 over its tiers' rows under one softmax:
+        ``(out [nkv, hpk, hd], mass)``, the contract of
+        :func:`kvreg.tiered_seal.tiered_attend`."""
+        return tiered_seal.tiered_attend(q, tiers, scale=scale)

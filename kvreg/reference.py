@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import quant
-from .plugin import Backend, KvView, RingView
+from .plugin import Backend, KvView
 from .modes import KV_K_GROUP, KvMode
 
 _SKIP = np.float32(1e-12)
@@ -248,23 +248,3 @@ class ReferenceBackend(Backend):
 
     def rotate_rows(self, x):
         return quant.fwht(x)
-
-    def bounded_attend(self, q, ring: RingView, *, scale, num_heads):
-        from .bounded import bounded_attend
-
-        return bounded_attend(q, ring, scale=scale, num_heads=num_heads)
-
-    def nystrom_prefill(self, probes, k_far, v_far, *, scale):
-        from .nystrom import nystrom_prefill
-
-        return nystrom_prefill(probes, k_far, v_far, scale)
-
-    def nystrom_absorb(self, far, k_row, v_row, *, scale):
-        from .nystrom import nystrom_absorb
-
-        return nystrom_absorb(far, k_row, v_row, scale)
-
-    def nystrom_step(self, q_group, k_exact, v_exact, far, *, scale):
-        from .nystrom import nystrom_step
-
-        return nystrom_step(q_group, k_exact, v_exact, far, scale)

@@ -59,6 +59,10 @@ def _collect() -> dict[str, type[Backend]]:
             _refuse(cls.name, f"backend {cls.__name__} does not implement {', '.join(sorted(cls.__abstractmethods__))}: "
                               "implement them, or subclass kvreg.reference.ReferenceBackend to inherit them")
             return
+        why = cls.declaration_error()
+        if why:
+            _refuse(cls.name, f"backend {cls.__name__} {why}")
+            return
         if cls.name in found and found[cls.name] is not cls:
             warnings.warn(f"kvreg: two backends named {cls.name!r}; keeping the first", stacklevel=2)
             return

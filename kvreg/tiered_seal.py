@@ -40,6 +40,8 @@ Every step is NumPy in a fixed order, whatever the layer's backend.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .errors import ConfigError, ShapeError
@@ -47,7 +49,7 @@ from .modes import Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
 from .quant import (dequantize_half_scaled, from_bf16, fwht, num_groups, pack_int4, quantize_half_scaled, rotates,
                     to_bf16, unpack_int4)
 
-__all__ = ["TieredSeal", "Tier", "exact_format", "far_rows", "seal_bytes", "equal_rows"]
+__all__ = ["TieredSeal", "Tier", "exact_format", "far_rows", "seal_bytes", "equal_rows", "tiered_attend"]
 
 #: How a tier stores its rows.
 FORMATS = ("f32", "f16", "bf16", "int8", "int4")
@@ -169,7 +171,7 @@ class TieredSeal:
     """
 
     def __init__(self, m: int, w: int, sink: int, heavy: int, *, num_kv_heads: int, hpk: int, head_dim: int,
-                 scale: float, fmt: str = "f32"):
+                 scale: float, fmt: str = "f32", kernels=None):
         for name, val, lo in (("m", m, 0), ("w", w, 1), ("sink", sink, 0), ("heavy", heavy, 0),
                               ("num_kv_heads", num_kv_heads, 1), ("hpk", hpk, 1), ("head_dim", head_dim, 1)):
             if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
@@ -184,6 +186,8 @@ class TieredSeal:
         self.far_budget = far_rows(self.m, self.hd)        # far rows at rest, per group
         self.exact = Tier(fmt, self.nkv, self.budget + 1, self.hd)
         self.far = Tier("int4", self.nkv, self.far_budget + 1, self.hd)
+        #: the backend whose ``tiered_attend`` reads the tiers (this module's own when None)
+        self.kernels = kernels if kernels is not None else sys.modules[__name__]
         self.seen = 0          # positions ever held: the context depth
         self.dropped = 0       # rows ever dropped per group
 
@@ -226,25 +230,15 @@ class TieredSeal:
         n = e.n
         e.put(slice(n, n + 1), k[:, None], v[:, None])
         e.pos[:, n], e.mass[:, n], e.n = self.seen, 0.0, n + 1
-        qg = q.reshape(self.nkv, self.hpk, self.hd) * self.scale
-        qr = fwht(qg) if e.rotated or self.far.rotated else None
-        tiers = [t for t in (e, self.far) if t.n]
-        rows = [t.read() for t in tiers]
-        scores = [np.matmul(qr if t.rotated else qg, kk.transpose(0, 2, 1)) for t, (kk, _) in zip(tiers, rows)]
-        top = np.max([s.max(axis=2) for s in scores], axis=0)[:, :, None]
-        probs = [np.exp(s - top) for s in scores]
-        inv = 1.0 / np.sum([p.sum(axis=2) for p in probs], axis=0)[:, :, None]
-        plain, turned = np.zeros_like(qg), np.zeros_like(qg)
-        for t, p, (_, vv) in zip(tiers, probs, rows):
-            p *= inv
-            t.mass[:, :t.n] += p.sum(axis=1)
-            acc = turned if t.rotated else plain
-            acc += np.matmul(p, vv)
-        out = plain + fwht(turned) if e.rotated or self.far.rotated else plain
+        rows = [t.read() for t in (e, self.far)]
+        out, mass = self.kernels.tiered_attend(q.reshape(self.nkv, self.hpk, self.hd),
+                                               [(kk, vv, t.rotated) for t, (kk, vv) in zip((e, self.far), rows)],
+                                               scale=self.scale)
+        for t, dm in zip((e, self.far), mass):
+            t.mass[:, :t.n] += dm
         self.seen += 1
         if e.n > self.budget:
-            kk, vv = rows[0]
-            self._demote(kk, vv)
+            self._demote(*rows[0])
         return out.reshape(self.nkv * self.hpk, self.hd)
 
     @staticmethod
@@ -278,3 +272,34 @@ class TieredSeal:
             f.n -= 1
         if f.n == held:
             self.dropped += 1
+
+
+def tiered_attend(q: np.ndarray, tiers, *, scale: float) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The attention of a tiered seal's decode step (the reference of the
+    ``tiered_attend`` kernel): ``q [nkv, hpk, hd]`` float32 over the rows of
+    every tier under one softmax, scores times ``scale``. ``tiers``: per tier
+    ``(k, v, rotated)``, ``k, v [nkv, n, hd]`` float32 as :meth:`Tier.read`
+    gives them (``n`` may be 0; ``rotated``: the rows are in the
+    Walsh-Hadamard basis, so they meet the rotated query and their share of
+    the output rotates back). Returns ``(out [nkv, hpk, hd], mass)``,
+    ``mass[i] [nkv, n_i]`` the probabilities of tier ``i``'s rows summed
+    over each group's heads. NumPy in a fixed order."""
+    qg = q * np.float32(scale)
+    turn = any(rotated for _, _, rotated in tiers)
+    qr = fwht(qg) if turn else None
+    held = [(k, v, rotated) for k, v, rotated in tiers if k.shape[1]]
+    scores = [np.matmul(qr if rotated else qg, k.transpose(0, 2, 1)) for k, _, rotated in held]
+    top = np.max([s.max(axis=2) for s in scores], axis=0)[:, :, None]
+    probs = [np.exp(s - top) for s in scores]
+    inv = 1.0 / np.sum([p.sum(axis=2) for p in probs], axis=0)[:, :, None]
+    plain, turned = np.zeros_like(qg), np.zeros_like(qg)
+    got = []
+    for (_, v, rotated), p in zip(held, probs):
+        p *= inv
+        got.append(p.sum(axis=1))
+        acc = turned if rotated else plain
+        acc += np.matmul(p, v)
+    out = plain + fwht(turned) if turn else plain
+    it = iter(got)
+    mass = [next(it) if k.shape[1] else np.zeros((k.shape[0], 0), np.float32) for k, _, _ in tiers]
+    return out, mass

@@ -182,6 +182,8 @@ class PositionKeyedRing(ReferenceBackend):
         super().__init__(device)
         self._copies: dict[int, list] = {}
 
+    provides = frozenset({"bounded_ring"})
+
     def bounded_attend(self, q, ring, **kw):
         seen = ring.seen
         c = self._copies.get(id(ring.owner))

@@ -19,7 +19,7 @@ ALIVE = {None: "alive-none", (True, False, True): "dead-head", (True, True, True
 def test_extend_equals_appends_bit_for_bit_across_the_freeze(mode, chunks, alive, hd, exact_rows):
     # all-alive: one-row appends past a full float16 window take the general
     # path's one-row window shift; alive None: append's decode hot paths
-    # (LayerStorage.append_row, append_window_row)
+    # (the storage's append_row)
     rng = np.random.default_rng(3)
     n = sum(chunks)
     k = rng.standard_normal((n, 3, hd)).astype(np.float32)
@@ -164,7 +164,8 @@ def test_a_q8_chunk_attends_its_own_rows_as_handed_over_and_older_rows_widened(b
     # layer answers, bit for bit; the second what the kernel answers on the
     # older rows widened followed by the new rows exactly.
     from kvreg import get_backend
-    from kvreg.storage import LayerStorage
+    from kvreg.attention import widened_rows
+    from kvreg.storage import DenseStorage
 
     rng = np.random.default_rng(11)
     k = rng.standard_normal((70, 2, 32), dtype=np.float32)
@@ -176,9 +177,9 @@ def test_a_q8_chunk_attends_its_own_rows_as_handed_over_and_older_rows_widened(b
     first = q8.attend_chunk(q[:40], b=40, s0=0, heads_per_kv=2, importance=False)
     assert first.tobytes() == f32.attend_chunk(q[:40], b=40, s0=0, heads_per_kv=2, importance=False).tobytes()
     q8.extend(k[40:], v[40:])
-    old_k, old_v = q8._widened_rows(0, 40)   # rows [0, 40) as storage now holds them
+    old_k, old_v = widened_rows(q8.storage, q8.backend, 0, 40)   # rows [0, 40) as storage now holds them
     second = q8.attend_chunk(q[40:], b=30, s0=40, heads_per_kv=2, importance=False)
-    rows = LayerStorage.of_rows(np.concatenate([old_k, k[40:].transpose(1, 0, 2)], axis=1),
+    rows = DenseStorage.of_rows(np.concatenate([old_k, k[40:].transpose(1, 0, 2)], axis=1),
                                 np.concatenate([old_v, v[40:].transpose(1, 0, 2)], axis=1))
     want = get_backend(backend).attend_chunk(q[40:], rows.view(), s0=40, b=30, hpk=2, scale=q8.default_scale)
     assert second.tobytes() == want.tobytes()

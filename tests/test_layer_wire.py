@@ -44,7 +44,7 @@ def same(a, b):
 
 def test_wire_refuses_an_o1_overlay():
     c = layer(1, 4)
-    c.o1_begin(4, 8, 2)
+    c.o1_begin(4, 8, 2, far="nystrom")
     with pytest.raises(WireError, match="O\\(1\\)"):
         c.export_wire(False)
 

@@ -197,7 +197,7 @@ def test_chunked_prefill_equals_single_block(monkeypatch):
     qt = rng.standard_normal((2, 4, 8))
     kf, vf = rng.standard_normal((50, 8)), rng.standard_normal((50, 8))
     whole = ny.nystrom_prefill(qt, kf, vf, 0.5)
-    monkeypatch.setattr(ny, "PREFILL_CHUNK", 7)
+    monkeypatch.setattr(ny.estimator, "PREFILL_CHUNK", 7)
     chunked = ny.nystrom_prefill(qt, kf, vf, 0.5)
     for a, b in zip(whole, chunked):
         assert np.allclose(a, b, rtol=1e-12, atol=0)
@@ -269,7 +269,7 @@ def test_far_fit_solves_the_ridge_normal_equations():
 
 
 def test_recent_queries_count_a_run_of_equal_rows_once(monkeypatch):
-    monkeypatch.setattr(ny, "RECENT_BLOCK", 5)  # runs cross block edges
+    monkeypatch.setattr(ny.estimator, "RECENT_BLOCK", 5)  # runs cross block edges
     rows = np.repeat(np.arange(10, dtype=np.float32), 3)  # a trace recorded with stride 3
     q = np.stack([np.stack([rows, -rows], axis=1), np.stack([2 * rows, rows], axis=1)])  # [2, 30, 2]
     got = ny.recent_queries(q, 4)
@@ -412,14 +412,14 @@ def test_heavy_mass_is_the_causal_attention_mass(monkeypatch):
             want[:p + 1] += e / e.sum()
     got = ny.heavy_mass(q, k, pos, 4, 74, scale)
     assert np.allclose(got, want[4:74], rtol=1e-4, atol=1e-7)
-    monkeypatch.setattr(ny, "HEAVY_BLOCK", 100)  # one query per block
+    monkeypatch.setattr(ny.estimator, "HEAVY_BLOCK", 100)  # one query per block
     assert np.allclose(ny.heavy_mass(q, k, pos, 4, 74, scale), got, rtol=1e-5, atol=1e-9)
 
 
 def test_heavy_sample_takes_recent_positions_and_optionally_evenly_spaced(monkeypatch):
     q, *_ = group_data(100)
     assert np.array_equal(ny.heavy_sample(q, 4, 6), np.arange(94, 100))
-    monkeypatch.setattr(ny, "HEAVY_EVEN", 2)
+    monkeypatch.setattr(ny.estimator, "HEAVY_EVEN", 2)
     assert np.array_equal(ny.heavy_sample(q, 4, 6), [35, 67, 97, 98, 99])
 
 

@@ -4,7 +4,7 @@ kvreg/conformance/test_reference_semantics.py)."""
 import numpy as np
 import pytest
 
-from kvreg import KvMode, LayerKvCache, SealError, ShapeError, StateError
+from kvreg import KvMode, LayerKvCache, Lifecycle, SealError, ShapeError, StateError
 from kvreg.nystrom import O1Rect
 from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
 
@@ -15,7 +15,7 @@ def layer(nkv=1, hd=4, mode=KvMode.F32):
 
 def test_walk_boundary_env_walks_a_batch_ending_on_it(monkeypatch):
     lay = layer()
-    lay.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, 5)
+    lay.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, 5, far="nystrom")
     monkeypatch.setenv("KVREG_O1_WALK_BOUNDARY", "1")
     assert lay.o1_boundary_crossed_by(5)
     monkeypatch.delenv("KVREG_O1_WALK_BOUNDARY")
@@ -36,7 +36,7 @@ def _collect(lay, d, t, nh):
 def _sealed(nh=4, nkv=2, hd=16, t=64):
     d = _prompt(t, nh, nkv, hd)
     lay = layer(nkv, hd)
-    lay.o1_begin(4, 16, 2)
+    lay.o1_begin(4, 16, 2, far="nystrom")
     _collect(lay, d, t, nh)
     assert lay.o1_seal(nh)
     return lay, d
@@ -46,7 +46,7 @@ def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
     nh, nkv, hd, t = 4, 2, 16, 96
     d = _prompt(t, nh, nkv, hd)
     lay = layer(nkv, hd)
-    lay.o1_begin(16, 32, 4)
+    lay.o1_begin(16, 32, 4, far="nystrom")
     _collect(lay, d, t, nh)
     mem_before = lay.memory_bytes()
     assert lay.o1_seal(nh)
@@ -61,14 +61,14 @@ def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
 
 def test_seal_is_idempotent_and_a_plain_layer_is_not_a_participant():
     lay, _ = _sealed()
-    groups = lay._o1.phase.groups
-    assert lay.o1_seal(4) and lay._o1.phase.groups is groups
+    groups = lay.seal.phase.groups
+    assert lay.o1_seal(4) and lay.seal.phase.groups is groups
     assert not layer(2, 16).o1_seal(4)
 
 
 def test_seal_defers_below_the_boundary_floor():
     lay = layer(1, 4)
-    lay.o1_begin(4, 8, 2)
+    lay.o1_begin(4, 8, 2, far="nystrom")
     for _ in range(10):
         lay.o1_push_q(np.ones(4, np.float32))
         lay.append(np.ones(4, np.float32), np.ones(4, np.float32))
@@ -86,7 +86,7 @@ def test_seal_defers_below_the_boundary_floor():
 def test_a_malformed_seal_latches_clears_and_refuses_appends(case, match):
     hd = 32
     lay = layer(2, hd)
-    lay.o1_begin(2 if case == "m" else 4, 8, 2)
+    lay.o1_begin(2 if case == "m" else 4, 8, 2, far="nystrom")
     rows = 30
     for p in range(rows):
         if not (case == "trace" and p == 0):
@@ -123,7 +123,7 @@ def test_o1_memory_constant_in_context_after_the_seal():
     for t in (128, 512):
         d = realistic_qkv(t, nh, nkv, hd, seed=1)
         lay = layer(nkv, hd)
-        lay.o1_begin(8, 32, 4)
+        lay.o1_begin(8, 32, 4, far="nystrom")
         _collect(lay, d, t, nh)
         assert lay.o1_seal(nh)
         sizes.append(lay.o1_memory_bytes())
@@ -135,7 +135,7 @@ def test_query_stride_traces_one_row_in_stride():
     nh, nkv, hd, t = 2, 1, 8, 41
     d = realistic_qkv(t, nh, nkv, hd, seed=2)
     lay = layer(nkv, hd)
-    lay.o1_begin(4, 8, 2)
+    lay.o1_begin(4, 8, 2, far="nystrom")
     lay.o1_set_q_stride(4)
     for p in range(t):
         if p % 4 == 0:
@@ -151,12 +151,12 @@ def test_o1_step_on_an_unsealed_layer_is_refused():
 
 def test_a_refused_o1_step_leaves_every_group_where_it_was():
     lay, d = _sealed()
-    seen = [g.seen for g in lay._o1.phase.groups]
+    seen = [g.seen for g in lay.seal.phase.groups]
     k = d.k[64].copy()
     k[1, 0] = np.nan                      # group 1's row: group 0 must not have stepped
     with pytest.raises(ShapeError, match="finite"):
         lay.o1_step(d.q[64], k, d.v[64], 4)
-    assert [g.seen for g in lay._o1.phase.groups] == seen and lay.seq_len == 64
+    assert [g.seen for g in lay.seal.phase.groups] == seen and lay.seq_len == 64
 
 
 def test_o1_recollect_validates_before_it_releases_the_seal():
@@ -172,7 +172,7 @@ def test_o1_recollect_validates_before_it_releases_the_seal():
 
 def test_o1_push_q_takes_what_append_takes():
     lay = layer(1, 4)
-    lay.o1_begin(4, 8, 2)
+    lay.o1_begin(4, 8, 2, far="nystrom")
     lay.o1_push_q([0.1, 0.2, 0.3, 0.4])
     assert lay.o1_q_trace().dtype == np.float32 and lay.o1_q_trace().size == 4
 
@@ -195,14 +195,14 @@ def test_heavy_rows_per_group_follow_o1_begin():
     sizes = {}
     for heavy in (None, 0, 2):
         lay = layer(nkv, hd)
-        lay.o1_begin(4, 16, 2, heavy=heavy)
+        lay.o1_begin(4, 16, 2, heavy=heavy, far="nystrom")
         _collect(lay, d, t, nh)
         assert lay.o1_seal(nh)
-        assert [g.n_heavy for g in lay._o1.phase.groups] == [4 if heavy is None else heavy] * nkv
+        assert [g.n_heavy for g in lay.seal.phase.groups] == [4 if heavy is None else heavy] * nkv
         sizes[heavy] = lay.memory_bytes()
     assert sizes[None] - sizes[0] == 2 * (sizes[2] - sizes[0]) == nkv * 4 * 2 * hd * 4
     with pytest.raises(ShapeError, match="heavy"):
-        layer(nkv, hd).o1_begin(4, 16, 2, heavy=-1)
+        layer(nkv, hd).o1_begin(4, 16, 2, heavy=-1, far="nystrom")
 
 
 def test_the_lifecycle_is_one_explicit_state_through_every_transition():
@@ -212,7 +212,7 @@ def test_the_lifecycle_is_one_explicit_state_through_every_transition():
     d = _prompt(t, nh, nkv, hd)
     lay = layer(nkv, hd)
     assert lay.lifecycle is Lifecycle.PLAIN
-    lay.o1_begin(4, 16, 2)
+    lay.o1_begin(4, 16, 2, far="nystrom")
     assert lay.lifecycle is Lifecycle.COLLECTING and lay.o1_collecting() and not lay.o1_sealed()
     _collect(lay, d, t, nh)
     assert lay.o1_seal(nh)
@@ -221,7 +221,7 @@ def test_the_lifecycle_is_one_explicit_state_through_every_transition():
         lay.append(d.k[0], d.v[0])
     lay.clear()
     assert lay.lifecycle is Lifecycle.PLAIN
-    lay.o1_begin(4, 16, 2)
+    lay.o1_begin(4, 16, 2, far="nystrom")
     lay.o1_abort("a test abort")
     assert lay.lifecycle is Lifecycle.FAILED and lay.take_o1_error() == "a test abort"
     with pytest.raises(SealError, match="a test abort"):
@@ -240,7 +240,7 @@ def test_the_lifecycle_is_one_explicit_state_through_every_transition():
 
 def _explicit(mode, d, t, nh, nkv, hd, steps):
     lay = layer(nkv, hd, mode)
-    lay.o1_begin(8, 16, 2)
+    lay.o1_begin(8, 16, 2, far="nystrom")
     lay.extend(d.k[:t], d.v[:t])
     lay.o1_set_q_trace(d.q[:t])
     assert lay.o1_seal(nh)
@@ -249,7 +249,7 @@ def _explicit(mode, d, t, nh, nkv, hd, steps):
 
 def _auto(mode, d, t, nh, nkv, hd, steps):
     lay = layer(nkv, hd, mode)
-    lay.o1_begin(8, 16, 2, auto=True)
+    lay.o1_begin(8, 16, 2, auto=True, far="nystrom")
     lay.extend(d.k[:t], d.v[:t])
     lay.attend_chunk(d.q[:t], t, 0, nh // nkv)
     outs = []
@@ -292,7 +292,7 @@ def test_a_short_prompt_stays_exact_until_the_boundary():
     nh, nkv, hd = 4, 2, 16
     d = _prompt(40, nh, nkv, hd)
     lay = layer(nkv, hd)
-    lay.o1_begin(8, 16, 2, auto=True)  # boundary: w + sink + m + 1 = 27 rows
+    lay.o1_begin(8, 16, 2, auto=True, far="nystrom")  # boundary: w + sink + m + 1 = 27 rows
     lay.extend(d.k[:10], d.v[:10])
     lay.attend_chunk(d.q[:10], 10, 0, nh // nkv)
     for p in range(10, 30):
@@ -307,7 +307,7 @@ def test_a_seal_that_cannot_be_made_leaves_a_self_sealing_layer_exact():
     nh, nkv, hd, t = 4, 2, 16, 40
     d = _prompt(t, nh, nkv, hd)
     lay = layer(nkv, hd)
-    lay.o1_begin(2, 16, 2, auto=True)  # m < 4: the seal refuses its geometry
+    lay.o1_begin(2, 16, 2, auto=True, far="nystrom")  # m < 4: the seal refuses its geometry
     lay.extend(d.k[:t], d.v[:t])
     lay.attend_chunk(d.q[:t], t, 0, nh // nkv)
     with pytest.warns(UserWarning, match="stays exact"):
@@ -327,3 +327,20 @@ def test_the_seal_runs_on_every_kv_mode(mode, tol):
     assert b.o1_sealed()
     for x, y in zip(got, want):
         assert np.abs(x - y).max() <= tol * np.abs(y).max(), mode
+
+
+def test_o1_begin_arms_the_tiered_seal_by_default():
+    # The recommended far field: it needs no query trace, and the seal holds
+    # the same bytes whatever the context.
+    lay = layer(2, 32)
+    lay.o1_begin(8, 16, 2)
+    assert lay.seal.far == "tiered"
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        lay.append(rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32))
+    assert lay.o1_seal(4) and lay.lifecycle is Lifecycle.SEALED
+    held = lay.memory_bytes()
+    for _ in range(50):
+        lay.o1_step(rng.standard_normal((4, 32)).astype(np.float32), rng.standard_normal((2, 32)).astype(np.float32),
+                    rng.standard_normal((2, 32)).astype(np.float32), 4)
+    assert lay.memory_bytes() == held and lay.seq_len == 90

@@ -12,7 +12,7 @@ NKV, HD, NH, ROWS = 2, 8, 4, 40
 
 def collecting(where, bad=np.nan):
     c = LayerKvCache(NKV, HD, "f32", "reference")
-    c.o1_begin(4, 4, 1)
+    c.o1_begin(4, 4, 1, far="nystrom")
     rng = np.random.default_rng(0)
     for p in range(ROWS):
         k = rng.standard_normal(NKV * HD).astype(np.float32)

@@ -9,7 +9,7 @@ import pytest
 import kvreg
 from kvreg import BackendError, registry
 from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights
-from kvreg.plugin import KERNELS, Backend, KvView, RingView
+from kvreg.plugin import CAPABILITIES, CORE_KERNELS, KERNELS, Backend, KvView, RingView
 from kvreg.reference import ReferenceBackend
 
 RNG = np.random.default_rng(0)
@@ -19,9 +19,9 @@ def rows(n, nkv=2, hd=8):
     return RNG.standard_normal((n, nkv, hd)).astype(np.float32)
 
 
-def test_every_kernel_is_abstract_with_a_full_signature():
-    assert set(Backend.__abstractmethods__) == set(KERNELS)
-    for name in KERNELS:
+def test_the_core_kernels_are_abstract_and_every_kernel_has_a_full_signature():
+    assert set(Backend.__abstractmethods__) == set(CORE_KERNELS)
+    for name in KERNELS + CAPABILITIES["fused_decode"]:
         params = inspect.signature(getattr(Backend, name)).parameters.values()
         assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params), name
         assert getattr(Backend, name).__doc__, f"{name} states its contract"
@@ -59,6 +59,50 @@ def test_the_registry_refuses_an_abstract_backend_naming_its_missing_kernels():
     finally:
         registry.unregister_plugin(p)
         registry.refresh()
+
+
+@pytest.mark.parametrize("provides,override,why", [
+    ({"bounded_ring"}, False, "declares 'bounded_ring' but overrides none of its kernels"),
+    (set(), True, "overrides bounded_attend without declaring 'bounded_ring'"),
+    ({"teleport"}, False, "provides unknown capabilities teleport"),
+])
+def test_the_registry_refuses_a_capability_declaration_the_class_does_not_back(provides, override, why):
+    attrs = {"name": "declared_test", "provides": frozenset(provides)}
+    if override:
+        attrs["bounded_attend"] = lambda self, q, ring, *, scale, num_heads: None
+    cls = type("Declared", (ReferenceBackend,), attrs)
+
+    class Plugin:
+        @kvreg.hookspecs.hookimpl
+        def kvreg_register_backends(self, register):
+            register(cls)
+
+    p = Plugin()
+    registry.register_plugin(p)
+    try:
+        with pytest.warns(UserWarning, match=why):
+            errors = registry.load_errors()
+        assert why in errors["declared_test"] and "declared_test" not in registry.backends()
+    finally:
+        registry.unregister_plugin(p)
+        registry.refresh()
+
+
+def test_a_backend_of_the_core_kernels_alone_runs_every_capability_as_the_reference():
+    # The capabilities' kernels are Backend's own (the reference's code):
+    # a backend needs the core kernels only.
+    core = {name: getattr(ReferenceBackend, name) for name in CORE_KERNELS}
+    cls = type("CoreOnly", (Backend,), dict(core, name="core_only_test"))
+    assert not cls.__abstractmethods__ and cls.declaration_error() is None
+    assert cls.native_kernels() == list(CORE_KERNELS) and cls.capabilities()["provides"] == []
+    lay = kvreg.LayerKvCache(2, 16, "f32", cls())
+    lay.install_bounded(4)
+    rng = np.random.default_rng(0)
+    w = BoundedWeights(np.zeros((2, 0, 16), np.float32), np.zeros((2, 0, 16), np.float32), 0, [4, 4])
+    out = lay.bounded_step(rng.standard_normal((4, 16)).astype(np.float32),
+                           rng.standard_normal((2, 16)).astype(np.float32),
+                           rng.standard_normal((2, 16)).astype(np.float32), w, BoundedRope(10000.0), 0.25, 4)
+    assert out.shape == (4, 16) and np.isfinite(out).all()
 
 
 def test_capabilities_are_declared_attributes():

@@ -503,9 +503,10 @@ def test_attend_chunk_dequantizes_once_and_matches_f64_over_dequantized_rows(mod
         # the exact rows are attended as appended (up to x / col * col rounding)
         kd[:xl, g], vd[:xl, g] = x[:xl, g], y[:xl, g]
     calls = []
-    real = LayerKvCache._widened_rows
-    monkeypatch.setattr(LayerKvCache, "_widened_rows",
-                        lambda self, *a, **kw: calls.append(a) or real(self, *a, **kw))
+    import kvreg.attention
+
+    real = kvreg.attention.widened_rows
+    monkeypatch.setattr(kvreg.attention, "widened_rows", lambda *a, **kw: calls.append(a) or real(*a, **kw))
     q = rand_rows(b, nkv * hpk, hd, seed=16) * np.float32(0.3)
     out = c.attend_chunk(q, b, s0, hpk, window=window)
     assert len(calls) == 1, "the key range is dequantized once per call"

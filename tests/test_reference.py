@@ -94,7 +94,7 @@ def test_windowed_attend_equals_masked_full_row():
 def test_a_backend_without_the_fused_step_goes_straight_to_the_two_calls(monkeypatch):
     # append_attend asks the storage for the one-launch step only where the
     # backend overrides Backend.append_attend_layer (the reference does not)
-    from kvreg.storage import LayerStorage
+    from kvreg.storage import Storage
 
     lay = LayerKvCache(2, 16, "f32", "reference")
     rng = np.random.default_rng(4)
@@ -103,7 +103,7 @@ def test_a_backend_without_the_fused_step_goes_straight_to_the_two_calls(monkeyp
     def asked(*a, **kw):
         raise AssertionError("asked for the fused step")
 
-    monkeypatch.setattr(LayerStorage, "append_row_attend_by", asked)
+    monkeypatch.setattr(Storage, "append_row_attend_by", asked)
     got = lay.append_attend(k, v, q)
     ref = LayerKvCache(2, 16, "f32", "reference")
     ref.append(k, v)

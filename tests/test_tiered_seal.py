@@ -63,7 +63,7 @@ def test_a_step_is_softmax_over_both_tiers_as_they_store_their_rows(mode, fmt):
     for i in range(80):
         k, v, q = _token(rng)
         layer.append(k, v)
-        state = layer._o1.phase.tiered
+        state = layer.seal.phase.tiered
         want = _expected(state, k, v, q)
         got = layer.attend_layer(q)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
@@ -78,7 +78,7 @@ def test_far_rows_are_four_bit_copies_of_the_rows_that_left():
         rows[t] = (k, v)
         layer.append(k, v)
         layer.attend_layer(q)
-    state = layer._o1.phase.tiered
+    state = layer.seal.phase.tiered
     far = _decoded(state.far)
     for side in (0, 1):
         for g in range(NKV):
@@ -95,7 +95,7 @@ def test_rows_are_chosen_by_mass_as_they_leave_the_window():
     layer, rng, _ = _layer(4, 6, 2, 40, heavy=5)
     for _ in range(50):
         layer.append(*_token(rng)[:2])
-        state = layer._o1.phase.tiered
+        state = layer.seal.phase.tiered
         e, f = state.exact, state.far
         before = (e.pos[:, :e.n].copy(), e.mass[:, :e.n].copy())
         layer.attend_layer(_token(rng)[2])
@@ -143,7 +143,7 @@ def test_memory_is_constant_in_context(mode, fmt):
         layer.attend_layer(q)
         if i in (10, 299):
             sizes.append(layer.memory_bytes())
-    state = layer._o1.phase.tiered
+    state = layer.seal.phase.tiered
     assert layer.o1_sealed() and layer.seq_len == 364
     # per row of a group: K and V, then 12 bytes of position and mass; the
     # integer formats add a float16 scale per 32 channels (int4 V: per 64)
@@ -172,14 +172,14 @@ def test_same_inputs_same_bits():
 
 def test_refusals_change_nothing():
     layer = kvreg.LayerKvCache(NKV, HD)
-    with pytest.raises(ConfigError, match="far must be one of 'nystrom', 'tiered'"):
+    with pytest.raises(ConfigError, match="far must be one of 'tiered', 'nystrom'"):
         layer.o1_begin(8, 8, 2, auto=True, far="landmarks")
     assert layer.lifecycle is kvreg.Lifecycle.PLAIN
     layer, rng, _ = _layer(8, 8, 2, 40)
     k, v, q = _token(rng)
     layer.append(k, v)
     layer.attend_layer(q)
-    state = layer._o1.phase.tiered
+    state = layer.seal.phase.tiered
     arrays = state.exact.arrays() + state.far.arrays()
     before = [a.copy() for a in arrays]
     bad = k.copy()

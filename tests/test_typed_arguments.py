@@ -47,7 +47,7 @@ CALLS = [
     ("head_len", lambda c, I: c.head_len(I(1))),
     ("head_keys", lambda c, I: c.head_keys(I(1)).tobytes()),
     ("seq_len setter", lambda c, I: setattr(c, "seq_len", I(25))),
-    ("o1_boundary_crossed_by", lambda c, I: (c.o1_begin_with_boundary(I(4), I(2), I(1), seal_at=I(22)),
+    ("o1_boundary_crossed_by", lambda c, I: (c.o1_begin_with_boundary(I(4), I(2), I(1), seal_at=I(22), far="nystrom"),
                                              c.o1_boundary_crossed_by(I(3)), c.o1_pending_boundary())),
 ]
 
@@ -116,7 +116,7 @@ OUT_OF_RANGE = [
     ("attend_chunk window", lambda c, x: c.attend_chunk(np.ones((1, 2, 4), np.float32), 1, 19, 1, window=x)),
     ("head_len", lambda c, x: c.head_len(x)),
     ("seq_len", lambda c, x: setattr(c, "seq_len", x)),
-    ("o1_begin seal_at", lambda c, x: c.o1_begin_with_boundary(4, 2, 1, seal_at=x)),
+    ("o1_begin seal_at", lambda c, x: c.o1_begin_with_boundary(4, 2, 1, seal_at=x, far="nystrom")),
     ("install_bounded", lambda c, x: LayerKvCache(2, 4, KvMode.F32, "reference").install_bounded(x)),
 ]
 
@@ -176,7 +176,7 @@ def test_scales_float32_cannot_hold_are_refused(value):
     before = (snapshot(c), c.imp.tobytes())
     for call in (lambda: c.attend_group(Q, 0, scale=value), lambda: c.attend_layer(np.tile(Q, (2, 1)), scale=value),
                  lambda: c.attend_chunk(np.ones((1, 2, 4), np.float32), 1, 19, 1, scale=value),
-                 lambda: c.o1_begin(4, 2, 1, scale=value)):
+                 lambda: c.o1_begin(4, 2, 1, scale=value, far="nystrom")):
         with pytest.raises(ShapeError, match="scale"):
             call()
     assert (snapshot(c), c.imp.tobytes()) == before
@@ -252,7 +252,7 @@ def _calls(be):
         "evict_born": lambda c, x: c.evict_born(5, x, 1),
         "seq_len": lambda c, x: setattr(c, "seq_len", x),
         "install_bounded": lambda c, x: LayerKvCache(2, 4, KvMode.F32, be).install_bounded(x),
-        "o1_begin scale": lambda c, x: c.o1_begin(4, 2, 1, scale=x),
+        "o1_begin scale": lambda c, x: c.o1_begin(4, 2, 1, scale=x, far="nystrom"),
         "LayerKvCache heads": lambda c, x: LayerKvCache(x, 4, KvMode.F32, be),
         "LayerKvCache q8_exact_rows": lambda c, x: LayerKvCache(2, 4, KvMode.Q8, be, q8_exact_rows=x),
         "LayerKvCache layer": lambda c, x: LayerKvCache(2, 4, KvMode.F32, be, layer=x),

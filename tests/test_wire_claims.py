@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
-from kvreg.storage import LayerStorage
+from kvreg.storage import Storage
 from kvreg.wire import Expect, LayerState, decode_cache, decode_layer, encode_cache, encode_layer, inspect
 
 NKV, HD = 2, 8
@@ -126,7 +126,7 @@ def test_memory_an_install_cannot_get_is_a_wire_error_that_changes_nothing(monke
     src, dst = filled(KvMode.F32, 3, seed=1), filled(KvMode.F32, 3, seed=2)
     blob = src.export_wire()
     before = dst.export_wire()
-    real = LayerStorage.load
+    real = Storage.load
     calls = []
 
     def load(self, *a, **kw):
@@ -135,7 +135,7 @@ def test_memory_an_install_cannot_get_is_a_wire_error_that_changes_nothing(monke
             raise MemoryError
         return real(self, *a, **kw)
 
-    monkeypatch.setattr(LayerStorage, "load", load)
+    monkeypatch.setattr(Storage, "load", load)
     with pytest.raises(WireError, match="layer 2 .*more memory than this process can allocate"):
         dst.import_wire(blob)
     assert dst.export_wire() == before

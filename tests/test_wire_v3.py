@@ -29,7 +29,7 @@ from kvreg.wire import (
     DTYPE_CODES, FLAG_CRC32, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer,
     inspect,
 )
-from kvreg._wire_layer import storage_schema
+from kvreg.wire.layer import storage_schema
 
 MODES = [m for m in KvMode if m is not KvMode.F32]
 IDS = [m.value for m in MODES]

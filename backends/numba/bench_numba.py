@@ -65,7 +65,7 @@ def seal_times(rounds: int) -> dict[str, float]:
     for _ in range(max(rounds, 1)):
         for name in ("numba", "reference"):
             lay = filled_layer(t, nkv, hd, backend=name)
-            lay.o1_begin(64, 1024, 4)
+            lay.o1_begin(64, 1024, 4, far="nystrom")
             lay.o1_set_q_trace(trace)
             t0 = time.perf_counter()
             if not lay.o1_seal(nh):

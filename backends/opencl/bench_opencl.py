@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 from kvreg.modes import KvMode
-from kvreg.storage import LayerStorage
+from kvreg.storage import make_storage
 
 from kvreg_opencl import config, device, kernels, mirror
 
@@ -37,11 +37,11 @@ def make_storage(rows: int, mode: str, seed: int = 0):
     ``q8_2f`` storage below its freeze, whatever the row count)."""
     rng = np.random.default_rng(seed)
     if mode == "f32":
-        st = LayerStorage(NKV, HD, KvMode.F32)
+        st = make_storage(NKV, HD, KvMode.F32)
         blocks = {"k": rng.standard_normal((NKV, rows, HD), dtype=np.float32),
                   "v": rng.standard_normal((NKV, rows, HD), dtype=np.float32)}
     else:
-        st = LayerStorage(NKV, HD, KvMode.Q8_2F)
+        st = make_storage(NKV, HD, KvMode.Q8_2F)
         blocks = {"kq": rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8),
                   "ks": rng.random((NKV, rows, HD // 32), dtype=np.float32) * 0.02,
                   "vq": rng.integers(-127, 128, (NKV, rows, HD), dtype=np.int8),

@@ -32,7 +32,7 @@ def _sealed_outputs(backend, steps=3):
     k, v = rng_rows(1, t + steps, nkv * hd), rng_rows(2, t + steps, nkv * hd)
     q = rng_rows(3, (t + steps) * nh, hd).reshape(t + steps, nh, hd)
     lay = LayerKvCache(nkv, hd, KvMode.F32, backend)
-    lay.o1_begin(8, 16, 2)
+    lay.o1_begin(8, 16, 2, far="nystrom")
     lay.extend(k[:t].reshape(t, nkv, hd), v[:t].reshape(t, nkv, hd), layout="nhd")
     lay.o1_set_q_trace(q[:t])
     assert lay.o1_seal(nh)

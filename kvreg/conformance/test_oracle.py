@@ -162,7 +162,7 @@ def test_nystrom_step_matches_the_oracle(backend, check, q_scale, steps):
     v = rng_rows(161, total, nkv * hd)
     q = rng_rows(162, total, nh * hd, q_scale)
     c = LayerKvCache(nkv, hd, KvMode.F32, backend)
-    c.o1_begin(m, w, sink, scale=scale)
+    c.o1_begin(m, w, sink, scale=scale, far="nystrom")
     for p in range(t0):
         c.o1_push_q(q[p])
         c.append(k[p], v[p])

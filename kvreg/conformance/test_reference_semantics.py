@@ -188,7 +188,7 @@ def test_eviction_keeps_recent(backend, check):
 def test_o1_batch_ending_on_boundary_does_not_cross_it(backend):
     B = 19
     layer = KvCache(1, 1, 4, 64, mode="f32", backend=backend).layers[0]
-    layer.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
+    layer.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B, far="nystrom")
     for _ in range(B - 3):
         layer.o1_push_q(np.full(8, 0.1, np.float32))
         layer.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))
@@ -206,7 +206,7 @@ def test_collecting_o1_eviction_retains_exact_storage_until_boundary(backend, po
     B = 19
     cache = KvCache(1, 1, 4, 6, policy, mode="f32", backend=backend)
     layer = cache.layers[0]
-    layer.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B)
+    layer.o1_begin_with_boundary(4, 8, 2, O1Rect.Aggregate, B, far="nystrom")
     for pos in range(B):
         layer.o1_push_q(np.full(8, 0.1, np.float32))
         layer.append(np.full(4, 0.2, np.float32), np.full(4, 0.3, np.float32))

@@ -76,7 +76,7 @@ from ..batch import attend_batch
 from ..cache import Born, KvCache, Recent, resident_bytes
 from ..errors import ConfigError, ShapeError
 from ..lifecycle import Lifecycle
-from .._o1_layer import FAR_FIELDS
+from ..seal import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
 from ..threads import _model
 

@@ -63,7 +63,7 @@ def nystrom_oracle(q_trace, k, v, t0: int, pos: int, q, *, m: int, w: int, sink:
     ``q_trace [hpk, >= t0, hd]``: the group's prompt queries; ``k``, ``v
     [> pos, hd]``: every row of the group; ``heavy``: far rows kept exact
     (``None``: ``m``), picked by the mass of ``heavy_queries`` query vectors
-    (``kvreg.nystrom.HEAVY_QUERIES``; recent positions only, its default
+    (``kvreg.nystrom.estimator.HEAVY_QUERIES``; recent positions only, its default
     ``HEAVY_EVEN = 0``). Returns ``out [hpk, hd]`` float64.
     """
     q_trace = np.asarray(q_trace, dtype=np.float64)

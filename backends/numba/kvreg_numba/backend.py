@@ -222,6 +222,8 @@ class NumbaBackend(ReferenceBackend):
     #: q4's three-tier rows run the reference's arithmetic.
     native_modes = frozenset(m for m in KvMode if not m.tiered)
 
+    provides = frozenset({"bounded_ring", "nystrom", "fused_decode"})
+
     def __init__(self, device: str | None = None):
         if device is not None and not cpu_device(device):
             raise BackendError(f"the numba backend runs on the CPU only ('cpu' or 'cpu:0'), not on {device!r}")

@@ -2,7 +2,7 @@
 the window's oldest row quantized, the window moved up, the new row stored
 as float16, counts grown, in one kernel call instead of a dozen NumPy calls
 (inside a model each costs ~10 µs). It must store exactly what the general
-path (``LayerStorage.append_window_row``) stores, refuse what it refuses
+path (``Int8Storage.append_window_row``) stores, refuse what it refuses
 without writing, and leave a fork's rows alone. These tests would catch a
 float16 rounding off numpy's, a slot or scale written to the wrong row, a
 half-applied refusal, or a fused path that silently stopped being taken."""

@@ -86,6 +86,8 @@ class OpenCLBackend(ReferenceBackend):
     #: the views' versions).
     device_resident = True
 
+    provides = frozenset({"bounded_ring", "nystrom", "fused_decode"})
+
     def __init__(self, device: str | None = None):
         host = config.HOST_KERNELS
         if host not in ("numba", "numpy"):

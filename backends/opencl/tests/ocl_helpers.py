@@ -48,7 +48,7 @@ RTOL = tolerance("decode_small_scaled")[0]
 
 
 class Rows:
-    """One layer's rows in the core's own :class:`kvreg.storage.LayerStorage`.
+    """One layer's rows in the core's own :class:`kvreg.storage.Storage`.
 
     A thin handle on a reference-backend :class:`kvreg.LayerKvCache`: every
     mutation is the core's (``append`` with dead heads, ``truncate_last``,

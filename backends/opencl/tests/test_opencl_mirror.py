@@ -7,7 +7,7 @@ import numpy as np
 from ocl_helpers import Rows
 
 from kvreg.modes import KV_COL_WARMUP
-from kvreg.storage import _FLOOR_LOG
+from kvreg.storage import FLOOR_LOG as _FLOOR_LOG
 from kvreg_opencl import kernels
 from kvreg_opencl.mirror import DeviceMirror
 

@@ -128,7 +128,7 @@ def test_a_sealed_layer_decodes_on_the_device_like_the_reference(fp64_dev):
     layers = []
     for be in (OpenCLBackend(), ReferenceBackend()):
         c = LayerKvCache(nkv, hd, KvMode.F32, be)
-        c.o1_begin(6, 8, 2, scale=scale)
+        c.o1_begin(6, 8, 2, scale=scale, far="nystrom")
         for p in range(t0):
             c.o1_push_q(q[p])
             c.append(k[p], v[p])
