@@ -18,6 +18,7 @@ import kvreg
 from kvreg import threads
 from kvreg.layer import LayerKvCache
 from kvreg.quant import from_bf16, from_half, to_bf16
+from kvreg_numba import intrinsics
 from kvreg_numba import kernels as K
 from kvreg_numba.backend import NumbaBackend
 
@@ -44,7 +45,7 @@ def _widen_loop():
 def test_widening_is_exact_for_every_bit_pattern(monkeypatch, fpext):
     if fpext and not K._target_has("f16c"):
         pytest.skip("no F16C on this CPU: only the integer decode is used")
-    monkeypatch.setattr(K, "F16_FPEXT", fpext)
+    monkeypatch.setattr(intrinsics, "F16_FPEXT", fpext)
     widen_all, dots = _widen_loop()
     out = np.empty(ALL_BITS.size, np.float32)
     widen_all(ALL_BITS.view(np.int16), out)
