@@ -47,6 +47,9 @@ from .sweeps import K_GROUP  # noqa: F401
 from .blocks import SUB_ROWS, sub_rows, _NEG_INF, _POS_INF, _NAN, _ZERO, _dequant_k_rows, scores as _scores, _scores8, NO_OWNER as _NO_OWNER, NO_SLABS as _NO_SLABS, accumulate as _accumulate, block_partial as _block_partial, partial_slabs, task_grid, merge_row as _merge_row, imp_chunk as _imp_chunk  # noqa: F401
 from .store import half_bits, bf16_bits, store_row  # noqa: F401
 from .decode import NO_STATE as _NO_STATE, NO_HELPERS as _NO_HELPERS, TASK_FREE, TASK_CALLER, TASK_TAKEN_BACK, HELPER, decode_helper, attend_groups, attend_groups_par, append_attend_groups, append_attend_groups_par  # noqa: F401
+from .threads import thread_scratch as _scratch, in_torch_pool as _in_torch_pool, thread_budget  # noqa: F401
+from . import threads as _threads
+from .pool import helpers as _helpers, helper_scratch as _helper_scratch  # noqa: F401
 
 _FM = set(config.FASTMATH)
 # The on-disk cache does not see how binary16 rows are widened (an
@@ -473,9 +476,6 @@ def _imp(imp):
     return imp
 
 
-_tls = threading.local()
-
-
 def scratch_floats(nrows, hpk, hd, firsts, ns, block):
     """Floats :func:`attend_groups` needs for these groups."""
     span = np.where(ns > 0, ns - firsts, 0)
@@ -483,207 +483,11 @@ def scratch_floats(nrows, hpk, hd, firsts, ns, block):
     return ntask * hpk * (block + 3 + hd)
 
 
-def _scratch(nfloats):
-    # Per thread (kernels release the GIL), grown by doubling, never shrunk.
-    buf = getattr(_tls, "buf", None)
-    if buf is None or buf.shape[0] < nfloats:
-        buf = np.empty(max(nfloats, 2 * (0 if buf is None else buf.shape[0]), 1024), np.float32)
-        _tls.buf = buf
-    return buf
-
-
-_layer_started = False
-_omp_layer = False
-
-
-def _start_threading_layer() -> None:
-    """Start numba's threading layer once, leaving torch's thread count as
-    the host set it. Measured: under numba's OpenMP layer, the first launch
-    (or ``numba.set_num_threads``) set the process's OpenMP thread count,
-    which is torch's intra-op count too, to ``NUMBA_NUM_THREADS``: a host
-    that ran torch on one thread found it on two after kvreg's first decode
-    (an SDPA step then took 166 ms instead of 1.9 ms on a shared machine)."""
-    global _layer_started
-    if _layer_started:
-        return
-    import sys
-
-    from numba.np.ufunc import parallel
-
-    torch = sys.modules.get("torch")
-    before = torch.get_num_threads() if torch is not None else None
-    parallel._launch_threads()
-    numba.set_num_threads(numba.get_num_threads())
-    if before is not None and torch.get_num_threads() != before:
-        torch.set_num_threads(before)
-    global _get_threads, _set_threads, _omp_layer
-    # The threading layer's own per-thread entry points, once it is up:
-    # numba's public get/set_num_threads take two process-wide locks a call
-    # (~1-2 us each, paid twice a parallel call). Counts set here come from
-    # kvreg.threads.pick, capped to NUMBA_NUM_THREADS, so they need no check.
-    _get_threads = getattr(parallel, "_get_num_threads", None) or numba.get_num_threads
-    _set_threads = getattr(parallel, "_set_num_threads", None) or numba.set_num_threads
-    _omp_layer = numba.threading_layer() == "omp"
-    _layer_started = True
-
-
-_get_threads = numba.get_num_threads
-_set_threads = numba.set_num_threads
-
-
-def _in_torch_pool() -> bool:
-    """Whether numba's parallel regions run on OpenMP's worker pool (its
-    ``omp`` threading layer), the pool torch's intra-op threads are: a
-    region then reuses torch's spinning workers instead of adding threads."""
-    if not _layer_started:
-        _start_threading_layer()
-    return _omp_layer
-
-
-@contextmanager
-def thread_budget(nbytes, kind="decode", measure=True):
-    """Run the parallel kernels inside on kvreg's thread budget for a call
-    reading ``nbytes`` of K/V rows (:func:`kvreg.threads.pick`: one thread
-    for small work; under the default budget, the faster of one thread and
-    the budget, measured per ``kind`` of call; ``measure=False``: the
-    budget). numba's
-    ``set_num_threads`` is per calling thread, so a host's own numba code
-    keeps its setting. The bits do not depend on the count (every reduction
-    has a fixed order). Yields the count."""
-    if not _layer_started:
-        _start_threading_layer()
-    nbytes = int(nbytes)
-    want, chooser, budget = pick(nbytes, "numba." + kind, numba.config.NUMBA_NUM_THREADS, measure=measure)
-    old = _get_threads()
-    if want != old:
-        _set_threads(want)
-    t0 = time.perf_counter_ns()
-    try:
-        yield want
-    finally:
-        if want != old:
-            _set_threads(old)
-        if chooser is not None:
-            chooser.record(want, budget, nbytes, time.perf_counter_ns() - t0)
-
-
 def _rows_bytes(firsts, ns, hd, k, v):
     """Bytes of K/V rows a decode reads (``k``/``v``: the f32 or 2-byte
     block, None when that side is int8)."""
     rows = int(np.where(ns > 0, ns - firsts, 0).sum())
     return rows * hd * sum(1 if a is None else np.dtype(a.dtype).itemsize for a in (k, v))
-
-
-class _Helpers:
-    """Daemon threads that share decode calls (:func:`decode_helper`).
-
-    The caller posts its call to ``n`` of them and runs :func:`attend_groups`
-    itself; a helper takes the newest call posted to it (an older one it
-    missed was finished without it). The caller never waits for a helper
-    longer than one of its own tasks: beside a busy process a helper may not
-    get a core for milliseconds, and a numba parallel region's barrier
-    would wait for it (docs/threads.md).
-
-    After a call a helper watches for the next one for
-    ``config.HELPER_SPIN`` reads (nogil, ~100 µs: a decode's layers come
-    back to back), then sleeps on a plain lock, released to wake it (a
-    sleeping thread took ~60 µs to start; a ``threading.Event`` wakes 2.5x
-    slower than a lock). Threads do not survive a fork: a child starts its
-    own. At exit the process waits for a helper still in a call
-    (:meth:`drain`): the interpreter would free the call's arrays under it,
-    or end it inside numba's first compile of its kernel (an LLVM abort,
-    seen)."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.pid = None
-        self.jobs: list = []     # per helper: (sequence, arguments) or None
-        self.wake: list = []     # per helper: a lock held while it has nothing to do
-        self.busy: list = []     # per helper: a lock held while it runs a call
-        self.seq = 0
-        self.closing = False
-        self.posted = np.zeros(1, np.int64)   # the newest sequence, for the watching helpers
-
-    def post(self, jobs) -> None:
-        with self.lock:
-            if self.closing:
-                return
-            if self.pid != os.getpid():   # a fork's child (see register_at_fork below)
-                self.pid, self.jobs, self.wake, self.busy = os.getpid(), [], [], []
-            while len(self.wake) < len(jobs):
-                i = len(self.wake)
-                self.jobs.append(None)
-                self.wake.append(threading.Lock())
-                self.busy.append(threading.Lock())
-                self.wake[i].acquire()
-                threading.Thread(target=self._main, args=(i, self.wake[i], self.busy[i]), daemon=True,
-                                 name=f"kvreg-numba-decode-{i}").start()
-            self.seq += 1
-            for i, job in enumerate(jobs):
-                self.jobs[i] = (self.seq, job)
-            self.posted[0] = self.seq
-        for i in range(len(jobs)):
-            try:
-                self.wake[i].release()
-            except RuntimeError:   # already awake: it reads the newest job next
-                pass
-
-    def drain(self, timeout: float = 300.0) -> None:
-        """Take no more calls and wait for those in flight (atexit)."""
-        with self.lock:
-            self.closing = True
-            busy = list(self.busy) if self.pid == os.getpid() else []
-        for b in busy:
-            if b.acquire(timeout=timeout):
-                b.release()
-
-    def _main(self, i, wake, busy) -> None:
-        done = 0
-        while True:
-            if _watch(self.posted, done, config.HELPER_SPIN):
-                wake.acquire(blocking=False)   # the post's wake-up, if it came yet
-            else:
-                wake.acquire()
-            with self.lock:
-                if self.closing or i >= len(self.jobs) or self.jobs[i] is None or self.jobs[i][0] == done:
-                    continue
-                done, job = self.jobs[i]
-                busy.acquire()
-            try:
-                decode_helper(*job)
-            except Exception:  # noqa: BLE001  (the caller runs every task a helper did not finish)
-                pass
-            finally:
-                busy.release()
-            with self.lock:   # drop the call's arrays unless a newer call came
-                if i < len(self.jobs) and self.jobs[i] is not None and self.jobs[i][0] == done:
-                    self.jobs[i] = None
-
-
-@njit(nogil=True, cache=_CACHE)
-def _watch(posted, last, reads):
-    """Whether ``posted[0]`` moves off ``last`` within ``reads`` atomic reads
-    (no GIL held while watching)."""
-    for _ in range(reads):
-        if _claim_of(posted, 0) != last:
-            return True
-    return False
-
-
-_helpers = _Helpers()
-atexit.register(_helpers.drain)
-if hasattr(os, "register_at_fork"):   # a lock a helper held at the fork stays held in the child
-    os.register_at_fork(after_in_child=_helpers.__init__)
-
-
-def _helper_scratch(n, nfloats):
-    # Per calling thread, like _scratch: helper i's partial states go to row i.
-    hs = getattr(_tls, "helpers", None)
-    if hs is None or hs.shape[0] < n or hs.shape[1] < nfloats:
-        rows = max(n, 0 if hs is None else hs.shape[0])
-        cols = max(nfloats, 2 * (0 if hs is None else hs.shape[1]), 1024)
-        hs = _tls.helpers = np.empty((rows, cols), np.float32)
-    return hs
 
 
 def _run(nbytes, nfloats, *args, row=None, step=None):
@@ -728,9 +532,9 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
     if n < 2:
         done = one(*lead, *args, scratch, _NO_STATE, _NO_HELPERS) is not False
     elif torch_model() and torch_spins() and _in_torch_pool():
-        old = _get_threads()
+        old = _threads.get_threads()
         if n != old:
-            _set_threads(n)
+            _threads.set_threads(n)
         try:
             if row is None:
                 attend_groups_par(*args, scratch, n)
@@ -738,7 +542,7 @@ def _run(nbytes, nfloats, *args, row=None, step=None):
                 done = append_attend_groups_par(*row, *args, scratch, n)
         finally:
             if n != old:
-                _set_threads(old)
+                _threads.set_threads(old)
     else:
         if row is not None:
             # helpers read the rows as soon as they are posted: stored first
