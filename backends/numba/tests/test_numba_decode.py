@@ -4,7 +4,7 @@ docs/kernels.md bit for bit, on multi-block inputs (block size 4)."""
 import numpy as np
 import pytest
 
-from kvreg_numba import kernels as K
+from kvreg_numba import dispatch, quant
 
 from naive import attend_oracle, dequant_k, dequant_v
 from kvreg.conformance.tolerances import tolerance
@@ -23,14 +23,14 @@ def make_layer(mode, nkv=2, hd=40, cap=70, lens=(53, 29), seed=0):
     vcol = (0.5 + rng.random((nkv, hd))).astype(np.float32)
     col_set = np.array([True] + [False] * (nkv - 1))
     if mode in ("q8", "q8k"):
-        kq, ks = K.quantize_rows(kf.reshape(-1, hd), np.empty((0, hd), np.float32), 32)
+        kq, ks = quant.quantize_rows(kf.reshape(-1, hd), np.empty((0, hd), np.float32), 32)
         st.update(kq=kq.reshape(nkv, cap, hd), ks=ks.reshape(nkv, cap, -1), kcol=kcol, kcol_set=col_set)
         k64 = np.stack([dequant_k(st["kq"][g], st["ks"][g], kcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
     else:
         st["k"] = kf
         k64 = kf.astype(np.float64)
     if mode in ("q8", "q8v"):
-        vq, vs = K.quantize_rows(vf.reshape(-1, hd), np.empty((0, hd), np.float32), hd)
+        vq, vs = quant.quantize_rows(vf.reshape(-1, hd), np.empty((0, hd), np.float32), hd)
         st.update(vq=vq.reshape(nkv, cap, hd), vs=vs.reshape(nkv, cap), vcol=vcol, vcol_set=col_set)
         v64 = np.stack([dequant_v(st["vq"][g], st["vs"][g], vcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
     else:
@@ -57,7 +57,7 @@ def test_layer_matches_f64_oracle(small_blocks, mode, window, softcap, sink):
     q = qs(2 * hpk, hd)
     sinks = np.linspace(-1, 2, 2 * hpk).astype(np.float32) if sink else None
     imp = np.zeros(60, np.float32)
-    out = K.attend_layer(q, lens, scale=0.2, window=window, softcap=softcap, sinks=sinks, imp=imp, **st)
+    out = dispatch.attend_layer(q, lens, scale=0.2, window=window, softcap=softcap, sinks=sinks, imp=imp, **st)
     imp_ref = np.zeros(60)
     for g in range(2):
         n = int(lens[g])
@@ -75,10 +75,10 @@ def test_grouped_equals_each_head_alone(small_blocks, mode):
     q = qs(5, 40)
     sinks = np.linspace(-1, 1, 5).astype(np.float32)
     imp = np.zeros(53, np.float32)
-    out = K.attend_group(q, 0, lens, first=7, scale=0.3, softcap=4.0, sinks=sinks, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, first=7, scale=0.3, softcap=4.0, sinks=sinks, imp=imp, **st)
     imp_h = np.zeros(53, np.float32)
     for h in range(5):
-        o = K.attend_group(q[h:h + 1], 0, lens, first=7, scale=0.3, softcap=4.0, sinks=sinks[h:h + 1], imp=imp_h, **st)
+        o = dispatch.attend_group(q[h:h + 1], 0, lens, first=7, scale=0.3, softcap=4.0, sinks=sinks[h:h + 1], imp=imp_h, **st)
         assert_bits(out[h:h + 1], o)
     assert_bits(imp, imp_h)
 
@@ -93,12 +93,12 @@ def test_the_unrolled_head_dims_answer_the_oracle_and_each_head_alone(small_bloc
     st, lens, k64, v64 = make_layer(mode, hd=hd)
     q = qs(4, hd)
     imp = np.zeros(53, np.float32)
-    out = K.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
     o64, p64 = attend_oracle(q, k64[0], v64[0], scale=0.1, first=0, n=53, softcap=0.0, sinks=None)
     np.testing.assert_allclose(out, o64, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(imp, p64.sum(axis=0), rtol=RTOL, atol=ATOL)
     for h in range(4):
-        assert_bits(out[h:h + 1], K.attend_group(q[h:h + 1], 0, lens, scale=0.1, **st))
+        assert_bits(out[h:h + 1], dispatch.attend_group(q[h:h + 1], 0, lens, scale=0.1, **st))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -109,13 +109,13 @@ def test_layer_equals_group_calls(small_blocks, mode, window):
     q = qs(3 * hpk, 40)
     sinks = np.arange(3 * hpk, dtype=np.float32) * 0.1
     imp = np.zeros(64, np.float32)
-    out = K.attend_layer(q, lens, scale=0.2, window=window, sinks=sinks, imp=imp, **st)
+    out = dispatch.attend_layer(q, lens, scale=0.2, window=window, sinks=sinks, imp=imp, **st)
     imp_g = np.zeros(64, np.float32)
     for g in range(3):
         n = int(lens[g])
         first = max(0, n - window) if window else 0
         hs = slice(g * hpk, (g + 1) * hpk)
-        o = K.attend_group(q[hs], g, lens, first=first, scale=0.2, sinks=sinks[hs], imp=imp_g, **st)
+        o = dispatch.attend_group(q[hs], g, lens, first=first, scale=0.2, sinks=sinks[hs], imp=imp_g, **st)
         assert_bits(out[hs], o)
     assert_bits(imp, imp_g)
     assert not out[2:4].any()
@@ -141,20 +141,20 @@ def test_windowed_equals_trimmed_and_ignores_rows_before_first(small_blocks, mod
     st, lens, _, _ = make_layer(mode, nkv=1, lens=(29,))
     q = qs(3, 40)
     imp = np.zeros(29, np.float32)
-    out = K.attend_group(q, 0, lens, first=first, scale=0.25, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, first=first, scale=0.25, imp=imp, **st)
     # Rows before `first` have probability exactly 0: garbage there changes nothing.
     junk = {n: a.copy() for n, a in st.items()}
     for name in ("k", "kq", "v", "vq"):
         if name in junk:
             junk[name][:, :first] = 99 if name.endswith("q") else 1e3
     imp2 = np.zeros(29, np.float32)
-    assert_bits(out, K.attend_group(q, 0, lens, first=first, scale=0.25, imp=imp2, **junk))
+    assert_bits(out, dispatch.attend_group(q, 0, lens, first=first, scale=0.25, imp=imp2, **junk))
     assert_bits(imp, imp2)
     assert not imp[:first].any()
     # The trimmed layer (rows [first, n) at position 0) answers the same bits.
     tst, tlens = _shifted(st, lens, first)
     imp3 = np.zeros(29 - first, np.float32)
-    assert_bits(out, K.attend_group(q, 0, tlens, first=0, scale=0.25, imp=imp3, **tst))
+    assert_bits(out, dispatch.attend_group(q, 0, tlens, first=0, scale=0.25, imp=imp3, **tst))
     assert_bits(imp[first:], imp3)
 
 
@@ -165,10 +165,10 @@ def test_upto_equals_the_layer_that_held_upto_rows(small_blocks, mode):
     for upto in (1, 4, 5, 17, 53):
         for first in (0, 3):
             imp = np.zeros(53, np.float32)
-            out = K.attend_group(q, 0, lens, first=first, upto=upto, scale=0.3, imp=imp, **st)
+            out = dispatch.attend_group(q, 0, lens, first=first, upto=upto, scale=0.3, imp=imp, **st)
             short = {n: (a.copy() if n.endswith("col") or n.endswith("set") else a[:, :upto].copy()) for n, a in st.items()}
             imp2 = np.zeros(53, np.float32)
-            assert_bits(out, K.attend_group(q, 0, np.array([upto]), first=first, scale=0.3, imp=imp2, **short))
+            assert_bits(out, dispatch.attend_group(q, 0, np.array([upto]), first=first, scale=0.3, imp=imp2, **short))
             assert_bits(imp, imp2)
 
 
@@ -182,10 +182,10 @@ def test_result_does_not_depend_on_thread_count(small_blocks, monkeypatch):
     try:
         kvreg.set_num_threads(2)
         imp = np.zeros(70, np.float32)
-        out = K.attend_layer(q, lens, scale=0.2, imp=imp, **st)
+        out = dispatch.attend_layer(q, lens, scale=0.2, imp=imp, **st)
         kvreg.set_num_threads(1)
         imp1 = np.zeros(70, np.float32)
-        assert_bits(out, K.attend_layer(q, lens, scale=0.2, imp=imp1, **st))
+        assert_bits(out, dispatch.attend_layer(q, lens, scale=0.2, imp=imp1, **st))
         assert_bits(imp, imp1)
     finally:
         kvreg.set_num_threads(None)
@@ -194,7 +194,7 @@ def test_result_does_not_depend_on_thread_count(small_blocks, monkeypatch):
 def test_empty_heads_give_zeros_and_leave_imp_alone():
     st, _, _, _ = make_layer("f32")
     imp = np.ones(10, np.float32)
-    out = K.attend_layer(qs(4, 40), np.array([0, 0]), scale=0.2, imp=imp, **st)
+    out = dispatch.attend_layer(qs(4, 40), np.array([0, 0]), scale=0.2, imp=imp, **st)
     assert not out.any() and (imp == 1).all()
 
 
@@ -208,10 +208,10 @@ def test_invariants_hold_for_any_block_size(monkeypatch, block, mode):
     st, lens, _, _ = make_layer(mode, nkv=1, lens=(61,), cap=70)
     q = qs(4, 40)
     imp = np.zeros(61, np.float32)
-    out = K.attend_group(q, 0, lens, first=9, scale=0.3, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, first=9, scale=0.3, imp=imp, **st)
     imp_h = np.zeros(61, np.float32)
     for h in range(4):
-        assert_bits(out[h:h + 1], K.attend_group(q[h:h + 1], 0, lens, first=9, scale=0.3, imp=imp_h, **st))
+        assert_bits(out[h:h + 1], dispatch.attend_group(q[h:h + 1], 0, lens, first=9, scale=0.3, imp=imp_h, **st))
     assert_bits(imp, imp_h)
     tst, tlens = _shifted(st, lens, 9)
-    assert_bits(out, K.attend_group(q, 0, tlens, first=0, scale=0.3, **tst))
+    assert_bits(out, dispatch.attend_group(q, 0, tlens, first=0, scale=0.3, **tst))
