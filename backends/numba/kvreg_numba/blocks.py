@@ -28,6 +28,11 @@ from .intrinsics import JIT_CACHE, LANES, fexp, lane_sum, max_nan, widen
 from .sweeps import K_GROUP, QK_CHUNKS, QK_WIDE, qk, qk8, wsum
 
 _FM = set(config.FASTMATH)
+_NEG_INF = np.float32(-np.inf)
+_POS_INF = np.float32(np.inf)
+_NAN = np.float32(np.nan)
+_ZERO = np.float32(0.0)
+
 # The decode's leaf kernels (a task's scores, values, merge: no allocation,
 # no array returned) compile with ``_nrt=False``: no reference counting of
 # the arrays they are passed and slice, which their caller keeps alive.
@@ -52,11 +57,6 @@ def sub_rows(hd):
     """Rows of the q8 K dequant buffer for rows of ``hd`` channels: at least
     :data:`SUB_ROWS`, more for a short hd (fewer calls per block)."""
     return max(SUB_ROWS, SUB_FLOATS // hd // 4 * 4)
-
-_NEG_INF = np.float32(-np.inf)
-_POS_INF = np.float32(np.inf)
-_NAN = np.float32(np.nan)
-_ZERO = np.float32(0.0)
 
 
 @njit(nogil=True, _nrt=False, cache=JIT_CACHE, fastmath=_FM)
