@@ -30,6 +30,8 @@ from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.plugin import check_batch
 from kvreg.reference import ReferenceBackend
 
+from .args import KV_COUNT_AT, frozen_counts, kv_args, kv_elem_bytes  # NumPy only: no numba at import
+
 
 def _load_kernels() -> None:
     try:
@@ -80,12 +82,12 @@ _NO_F = _NO_S
 _Q8_BOUND = np.float32(Q8_ABS_MAX)
 
 
-def _layer_args(a, kv, owner=None, slot="memo") -> tuple[tuple, int]:
+def _layer_args(kv, owner=None, slot="memo") -> tuple[tuple, int]:
     """The decode kernel's storage arguments for ``kv`` (a :class:`kvreg.KvView`
-    or a storage; ``a`` the :mod:`kvreg_numba.args` module): ``(kv_args
-    tuple, bytes of K and V per channel)``. The arrays' part is kept on the view's ``owner`` (the
-    identity of the row arrays: ``memo``, which the storage clears whenever
-    it replaces an array), checked against the K block itself, so a decode
+    or a storage): ``(kv_args tuple, bytes of K and V per channel)``. The
+    arrays' part is kept on the view's ``owner`` (the identity of the row
+    arrays: ``memo``, which the storage clears whenever it replaces an
+    array), checked against the K block itself, so a decode
     step makes no numpy call for it; the per-head counts come from ``kv``
     (they change with every version). A fused decode step passes the
     storage itself, whose arrays it writes, with its rows' identity as
@@ -96,18 +98,18 @@ def _layer_args(a, kv, owner=None, slot="memo") -> tuple[tuple, int]:
     memo = getattr(owner, slot, None)
     if memo is None or memo[0] is not anchor:
         arrays = _storage_args(kv)
-        for name in a.KV_COUNT_AT:   # counts: spliced in per call
+        for name in KV_COUNT_AT:   # counts: spliced in per call
             if arrays[name] is not None:
                 arrays[name] = kv.lens[:0]
-        args = a.kv_args(**arrays)
-        memo = (anchor, args, a.kv_elem_bytes(args), tuple(n for n in a.KV_COUNT_AT if arrays[n] is not None))
+        args = kv_args(**arrays)
+        memo = (anchor, args, kv_elem_bytes(args), tuple(n for n in KV_COUNT_AT if arrays[n] is not None))
         if hasattr(owner, slot):
             setattr(owner, slot, memo)
     args, counts = memo[1], memo[3]
     if counts:
         args = list(args)
         for name in counts:
-            args[a.KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
+            args[KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
         args = tuple(args)
     return args, memo[2]
 
@@ -230,10 +232,10 @@ class NumbaBackend(ReferenceBackend):
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
         _load_kernels()
         # numba imported by _load_kernels: its failure is a BackendError there
-        from . import args, batch, chunk, dispatch, quant
+        from . import batch, chunk, dispatch, quant
         from .window import append_window_attend, window_row_step
 
-        self._args, self._decode, self._batch, self._chunk, self._quant = args, dispatch, batch, chunk, quant
+        self._decode, self._batch, self._chunk, self._quant = dispatch, batch, chunk, quant
         self._window_row_step = window_row_step
         self._append_window_attend = append_window_attend
         self._windows = {}   # id -> (float16 window, its int16 view): _bits
@@ -262,9 +264,9 @@ class NumbaBackend(ReferenceBackend):
             return super().attend_layer(q, kv, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if kv.cap == 0:
             return np.zeros_like(q)
-        args, elem = _layer_args(self._args, kv)
-        return self._decode.attend_kv(q, self._args.frozen_counts(kv.lens), args, elem, window=int(window or 0),
-                                      scale=scale, softcap=softcap or 0.0, sinks=sinks, imp=imp)
+        args, elem = _layer_args(kv)
+        return self._decode.attend_kv(q, frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
+                                      softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
     def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
                             importance=False, out=None):
@@ -282,7 +284,7 @@ class NumbaBackend(ReferenceBackend):
         row as the core does); a q8 window's step
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
-        args, elem = _layer_args(self._args, st, owner, "row_memo")
+        args, elem = _layer_args(st, owner, "row_memo")
         window_step = None
         if st.window:
             if _numpy_rotates(st.rot_k, st.rot_v, shape[1]):
