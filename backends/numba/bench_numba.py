@@ -32,16 +32,16 @@ sys.path.insert(0, str(HERE))
 _COMPILE_SNIPPET = """
 import time, numpy as np
 t0 = time.perf_counter()
-from kvreg_numba import kernels as K
+from kvreg_numba import chunk, dispatch, quant
 nkv, hd = 2, 128
 k = np.ones((nkv, 64, hd), np.float32); kq = np.ones((nkv, 64, hd), np.int8)
 ks = np.ones((nkv, 64, 4), np.float32); vs = np.ones((nkv, 64), np.float32)
 col = np.ones((nkv, hd), np.float32); cs = np.ones(nkv, bool); lens = np.full(nkv, 64)
 q = np.ones((8, hd), np.float32); imp = np.zeros(64, np.float32)
-K.attend_layer(q, lens, k=k, v=k, scale=0.1, imp=imp)
-K.attend_layer(q, lens, kq=kq, ks=ks, kcol=col, kcol_set=cs, vq=kq, vs=vs, vcol=col, vcol_set=cs, scale=0.1)
-K.quantize_rows(k[0], col[:1], 32)
-K.attend_chunk(np.ones((4, 8, hd), np.float32), k, k, s0=60, b=4, hpk=4, scale=0.1, imp=imp)
+dispatch.attend_layer(q, lens, k=k, v=k, scale=0.1, imp=imp)
+dispatch.attend_layer(q, lens, kq=kq, ks=ks, kcol=col, kcol_set=cs, vq=kq, vs=vs, vcol=col, vcol_set=cs, scale=0.1)
+quant.quantize_rows(k[0], col[:1], 32)
+chunk.attend_chunk(np.ones((4, 8, hd), np.float32), k, k, s0=60, b=4, hpk=4, scale=0.1, imp=imp)
 print(time.perf_counter() - t0)
 """
 
@@ -91,8 +91,7 @@ def main() -> None:
         numba.set_num_threads(args.threads)
         kvreg.set_num_threads(args.threads)  # the kernels run on kvreg's budget
 
-    from kvreg_numba import bandwidth, config
-    from kvreg_numba import kernels as K
+    from kvreg_numba import bandwidth, chunk, config, dispatch, quant
 
     rng = np.random.default_rng(0)
     nkv, nh, hd, n = 8, 32, 128, 16384
@@ -102,8 +101,8 @@ def main() -> None:
     lens = np.full(nkv, n)
     imp = np.zeros(n, np.float32)
     nocol = np.empty((0, hd), np.float32)
-    kq, ks = K.quantize_rows(k.reshape(-1, hd), nocol, 32)
-    vq, vs = K.quantize_rows(v.reshape(-1, hd), nocol, hd)
+    kq, ks = quant.quantize_rows(k.reshape(-1, hd), nocol, 32)
+    vq, vs = quant.quantize_rows(v.reshape(-1, hd), nocol, hd)
     kq, ks, vq, vs = kq.reshape(nkv, n, hd), ks.reshape(nkv, n, -1), vq.reshape(nkv, n, hd), vs.reshape(nkv, n)
     col = np.ones((nkv, hd), np.float32)
     cs = np.ones(nkv, bool)
@@ -135,11 +134,11 @@ def main() -> None:
 
     cases = {
         "bandwidth": lambda: bandwidth._parallel_sum(big),
-        "decode_f32": lambda: K.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp),
-        "decode_q8": lambda: K.attend_layer(q, lens, kq=kq, ks=ks, kcol=col, kcol_set=cs, vq=vq, vs=vs,
+        "decode_f32": lambda: dispatch.attend_layer(q, lens, k=k, v=v, scale=0.088, imp=imp),
+        "decode_q8": lambda: dispatch.attend_layer(q, lens, kq=kq, ks=ks, kcol=col, kcol_set=cs, vq=vq, vs=vs,
                                             vcol=col, vcol_set=cs, scale=0.088, imp=imp),
         "matmul": lambda: ma @ mb,
-        "chunk": lambda: K.attend_chunk(qp, kp, vp, s0=s0, b=b, hpk=4, scale=0.088, imp=impp),
+        "chunk": lambda: chunk.attend_chunk(qp, kp, vp, s0=s0, b=b, hpk=4, scale=0.088, imp=impp),
         "bounded": lambda: nb.bounded_attend(q, ring, scale=hd ** -0.5, num_heads=nh),
         "bounded_ref": lambda: ref.bounded_attend(q, ring, scale=hd ** -0.5, num_heads=nh),
     }

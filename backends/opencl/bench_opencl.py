@@ -145,7 +145,7 @@ def main(argv=None):
     try:
         if a.no_numba:
             raise ImportError
-        from kvreg_numba import kernels as nk
+        from kvreg_numba import dispatch as nk
     except Exception:
         nk = None
     q = np.random.default_rng(1).standard_normal((NQ, HD), dtype=np.float32)

@@ -31,18 +31,20 @@ from kvreg.plugin import check_batch
 from kvreg.registry import cpu_device
 from kvreg.reference import ReferenceBackend
 
+from .args import KV_COUNT_AT, frozen_counts, kv_args, kv_elem_bytes  # NumPy only: no numba at import
 
-def _load_kernels():
+
+def _load_kernels() -> None:
     try:
-        from . import kernels, nystrom, ring  # noqa: F401  (compiled on first use)
+        from . import batch, chunk, dispatch, nystrom, ring, window  # noqa: F401  (compiled on first use)
+        from .sweeps import K_GROUP
     except ImportError as exc:  # numba missing or broken: say how to fix it
         raise BackendError(
             f"the numba backend cannot start: {exc}. Install it with `pip install kvreg-numba` "
             "(which pulls numba), or pick another backend with KVREG_BACKEND=reference."
         ) from exc
-    if kernels.K_GROUP != KV_K_GROUP:
-        raise BackendError(f"kvreg-numba was built for {kernels.K_GROUP}-channel K groups, kvreg uses {KV_K_GROUP}")
-    return kernels
+    if K_GROUP != KV_K_GROUP:
+        raise BackendError(f"kvreg-numba was built for {K_GROUP}-channel K groups, kvreg uses {KV_K_GROUP}")
 
 
 def _storage_args(kv) -> dict:
@@ -81,12 +83,12 @@ _NO_F = _NO_S
 _Q8_BOUND = np.float32(Q8_ABS_MAX)
 
 
-def _layer_args(k, kv, owner=None, slot="memo") -> tuple[tuple, int]:
+def _layer_args(kv, owner=None, slot="memo") -> tuple[tuple, int]:
     """The decode kernel's storage arguments for ``kv`` (a :class:`kvreg.KvView`
-    or a storage): ``(kernels._kv_args tuple, bytes of K and V per
-    channel)``. The arrays' part is kept on the view's ``owner`` (the
-    identity of the row arrays: ``memo``, which the storage clears whenever
-    it replaces an array), checked against the K block itself, so a decode
+    or a storage): ``(kv_args tuple, bytes of K and V per channel)``. The
+    arrays' part is kept on the view's ``owner`` (the identity of the row
+    arrays: ``memo``, which the storage clears whenever it replaces an
+    array), checked against the K block itself, so a decode
     step makes no numpy call for it; the per-head counts come from ``kv``
     (they change with every version). A fused decode step passes the
     storage itself, whose arrays it writes, with its rows' identity as
@@ -96,19 +98,19 @@ def _layer_args(k, kv, owner=None, slot="memo") -> tuple[tuple, int]:
         owner = getattr(kv, "owner", None)
     memo = getattr(owner, slot, None)
     if memo is None or memo[0] is not anchor:
-        a = _storage_args(kv)
-        for name in k.KV_COUNT_AT:   # counts: spliced in per call
-            if a[name] is not None:
-                a[name] = kv.lens[:0]
-        args = k._kv_args(**a)
-        memo = (anchor, args, k.kv_elem_bytes(args), tuple(n for n in k.KV_COUNT_AT if a[n] is not None))
+        arrays = _storage_args(kv)
+        for name in KV_COUNT_AT:   # counts: spliced in per call
+            if arrays[name] is not None:
+                arrays[name] = kv.lens[:0]
+        args = kv_args(**arrays)
+        memo = (anchor, args, kv_elem_bytes(args), tuple(n for n in KV_COUNT_AT if arrays[n] is not None))
         if hasattr(owner, slot):
             setattr(owner, slot, memo)
     args, counts = memo[1], memo[3]
     if counts:
         args = list(args)
         for name in counts:
-            args[k.KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
+            args[KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
         args = tuple(args)
     return args, memo[2]
 
@@ -121,20 +123,20 @@ def _numpy_rotates(rot_k, rot_v, hd) -> bool:
 
 
 def _count(name, a):
-    """A per-head count as ``_kv_args`` passes it (a view's frozen arrays already are)."""
+    """A per-head count as ``kv_args`` passes it (a view's frozen arrays already are)."""
     dtype = np.bool_ if name.endswith("_set") else np.int64
     return a if a.dtype == dtype and a.flags.c_contiguous else np.ascontiguousarray(a, dtype=dtype)
 
 
 #: The view fields a batch row holds, per K/V quantization (the arrays
-#: :func:`kvreg_numba.kernels.batch_arrays` takes, in its order).
+#: :func:`kvreg_numba.batch.batch_arrays` takes, in its order).
 def _row_fields(quant_k: bool, quant_v: bool) -> tuple[str, ...]:
     return (("kq", "ks", "kcol") if quant_k else ("k",)) + (("vq", "vs", "vcol") if quant_v else ("v",)) + \
         ("xk", "xv", "thk", "thv")
 
 
 class _BatchRows:
-    """Rows of the batch table (:func:`kvreg_numba.kernels.batch_row`: each
+    """Rows of the batch table (:func:`kvreg_numba.batch.batch_row`: each
     array's address and dims), cached per sequence. A row depends on which
     arrays the view holds, and a storage hands out the same array objects
     until it reallocates them, so a row is found by its first array's
@@ -143,19 +145,19 @@ class _BatchRows:
     row is rebuilt. Nothing here keeps an array alive; an entry goes when
     its first array does."""
 
-    def __init__(self, k):
-        self._k = k
+    def __init__(self, batch):
+        self._batch = batch
         self._rows: dict[int, tuple] = {}
 
     def table(self, kvs, fields):
-        k = self._k
+        batch = self._batch
         out = []
         keep = []  # arrays normalized by a copy stay alive for the call
         rows = self._rows
         get = operator.attrgetter(*fields)
         for kv in kvs:
             if kv.cap == 0:
-                out.append(k.EMPTY_ROW)
+                out.append(batch.EMPTY_ROW)
                 continue
             arrs = get(kv)
             hit = rows.get(id(arrs[0]))
@@ -173,12 +175,12 @@ class _BatchRows:
         """A row built from the arrays themselves (cached: it points into
         them) or, where normalizing one took a copy, from the copies (kept
         for the call, not cached)."""
-        k = self._k
+        batch = self._batch
         present = {f: a for f, a in zip(fields, arrs) if a is not None}
-        norm = k.batch_arrays(**present)
-        row = k.batch_row(*norm)
-        copied = any(k.batch_row_address(row, f) != a.ctypes.data for f, a in present.items()
-                     if a.size and f in k.BT_SLOTS_OF)
+        norm = batch.batch_arrays(**present)
+        row = batch.batch_row(*norm)
+        copied = any(batch.batch_row_address(row, f) != a.ctypes.data for f, a in present.items()
+                     if a.size and f in batch.BT_SLOTS_OF)
         if copied:
             keep.append(norm)
             return row
@@ -231,11 +233,12 @@ class NumbaBackend(ReferenceBackend):
         from kvreg.threads import get_num_threads
 
         get_num_threads()  # a bad KVREG_THREADS is a ConfigError now, not at the first attend
-        self._k = _load_kernels()
-        from .quant import fwht_rows  # numba imported by _load_kernels: its failure is a BackendError there
+        _load_kernels()
+        # numba imported by _load_kernels: its failure is a BackendError there
+        from . import batch, chunk, dispatch, quant
         from .window import append_window_attend, window_row_step
 
-        self._fwht_rows = fwht_rows
+        self._decode, self._batch, self._chunk, self._quant = dispatch, batch, chunk, quant
         self._window_row_step = window_row_step
         self._append_window_attend = append_window_attend
         self._windows = {}   # id -> (float16 window, its int16 view): _bits
@@ -259,7 +262,7 @@ class NumbaBackend(ReferenceBackend):
                                         sinks=sinks, imp=imp)
         if kv.cap == 0 or int(kv.lens[g]) == 0:
             return np.zeros_like(q)
-        return self._k.attend_group(
+        return self._decode.attend_group(
             q, g, kv.lens, first=first, upto=upto, scale=scale, softcap=softcap or 0.0,
             sinks=sinks, imp=imp, **_storage_args(kv),
         )
@@ -269,9 +272,9 @@ class NumbaBackend(ReferenceBackend):
             return super().attend_layer(q, kv, scale=scale, window=window, softcap=softcap, sinks=sinks, imp=imp)
         if kv.cap == 0:
             return np.zeros_like(q)
-        args, elem = _layer_args(self._k, kv)
-        return self._k.attend_kv(q, self._k.frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
-                                 softcap=softcap or 0.0, sinks=sinks, imp=imp)
+        args, elem = _layer_args(kv)
+        return self._decode.attend_kv(q, frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
+                                      softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
     def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
                             importance=False, out=None):
@@ -283,13 +286,13 @@ class NumbaBackend(ReferenceBackend):
 
     def prepare_append_attend(self, st, *, owner, shape, scale, window=None, softcap=0.0, sinks=None,
                               importance=False, out=None):
-        """:func:`kvreg_numba.kernels.decode_stepper`: the launch's arguments
+        """:func:`kvreg_numba.dispatch.decode_stepper`: the launch's arguments
         gathered once, the rows counted by the step. F32, f16 and bf16 rows
-        always (:func:`kvreg_numba.kernels.store_row`, which rounds a 2-byte
+        always (:func:`kvreg_numba.store.store_row`, which rounds a 2-byte
         row as the core does); a q8 window's step
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
-        args, elem = _layer_args(self._k, st, owner, "row_memo")
+        args, elem = _layer_args(st, owner, "row_memo")
         window_step = None
         if st.window:
             if _numpy_rotates(st.rot_k, st.rot_v, shape[1]):
@@ -300,12 +303,12 @@ class NumbaBackend(ReferenceBackend):
                            (st.rot_k, st.rot_v, args[15], args[16], args[1], args[2], args[6], args[7], args[0],
                             args[5], st.lens, st.b8),
                            (st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._k.decode_stepper(st.lens, args, elem, tuple(shape), cap=st.cap, window_step=window_step,
-                                      importance=importance, window=int(window or 0), scale=scale,
-                                      softcap=softcap or 0.0, sinks=sinks, out=out)
+        return self._decode.decode_stepper(st.lens, args, elem, tuple(shape), cap=st.cap, window_step=window_step,
+                                           importance=importance, window=int(window or 0), scale=scale,
+                                           softcap=softcap or 0.0, sinks=sinks, out=out)
 
     def attend_batch(self, q, kvs, *, scale, window=None, softcap=0.0, sinks=None, imps=None):
-        """One parallel launch for the batch (:func:`kvreg_numba.kernels.attend_batch`):
+        """One parallel launch for the batch (:func:`kvreg_numba.batch.attend_batch`):
         every sequence's decode tasks in one task list, each running
         :meth:`attend_layer`'s arithmetic on its own arrays (the same block
         kernel, merge and importance pass), so row ``b`` is the layer call's
@@ -321,11 +324,11 @@ class NumbaBackend(ReferenceBackend):
                                         imps=imps)
         qk, qv = mode.quant_k, mode.quant_v
         if self._rows is None:
-            self._rows = _BatchRows(self._k)
+            self._rows = _BatchRows(self._batch)
         tab, keep = self._rows.table(kvs, _row_fields(qk, qv))
         win = bool(kv0.window)
         exact = bool(kv0.exact_cap)
-        out = self._k.attend_batch(
+        out = self._batch.attend_batch(
             q, tab, lens=_counts(kvs, "lens", np.int64), kquant=qk, vquant=qv,
             kv_dtype=mode.float_dtype, xlen=_counts(kvs, "xlen", np.int64) if exact else None,
             b8=_counts(kvs, "b8", np.int64) if win else None,
@@ -340,7 +343,7 @@ class NumbaBackend(ReferenceBackend):
             # The core hands q8 and f16/bf16 layers over as a dequantized F32
             # view; anything else takes the reference (which widens per slice).
             return super().attend_chunk(q, kv, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
-        return self._k.attend_chunk(q, kv.k, kv.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+        return self._chunk.attend_chunk(q, kv.k, kv.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
 
     def quantize_rows(self, x, col, *, group):
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -350,7 +353,7 @@ class NumbaBackend(ReferenceBackend):
             c = np.ascontiguousarray(col, dtype=np.float32)
             if c.ndim == 1:
                 c = c.reshape(1, -1)
-        return self._k.quantize_rows(x, c, int(group))
+        return self._quant.quantize_rows(x, c, int(group))
 
     def store_window_row(self, k, v, *, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap):
         if _numpy_rotates(rot_k, rot_v, k.shape[1]):
@@ -378,7 +381,7 @@ class NumbaBackend(ReferenceBackend):
         return got[1]
 
     def freeze_field(self, q, s, *, group):
-        return self._k.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))
+        return self._quant.freeze_field(np.ascontiguousarray(q), np.ascontiguousarray(s, dtype=np.float32), int(group))
 
     def rotate_rows(self, x):
         x = np.asarray(x)
@@ -386,14 +389,14 @@ class NumbaBackend(ReferenceBackend):
         if x.dtype != np.float32 or hd < 2 or hd & (hd - 1):
             return super().rotate_rows(x)   # not float32 rows of a power of two: NumPy's (and its errors)
         flat = np.ascontiguousarray(x).reshape(-1, hd)
-        return self._fwht_rows(flat, np.float32(1.0 / np.sqrt(hd))).reshape(x.shape)
+        return self._quant.fwht_rows(flat, np.float32(1.0 / np.sqrt(hd))).reshape(x.shape)
 
     def gather_rows(self, rows, idx):
         idx = np.ascontiguousarray(idx, dtype=np.int64)
         if rows.ndim == 2 and rows.flags.c_contiguous:
             if rows.dtype == np.float16:  # numba has no float16 on the CPU: move the bits
-                return self._k.gather_rows(rows.view(np.uint16), idx).view(np.float16)
-            return self._k.gather_rows(rows, idx)
+                return self._quant.gather_rows(rows.view(np.uint16), idx).view(np.float16)
+            return self._quant.gather_rows(rows, idx)
         return rows[idx]  # 1-D scales: a plain copy is all there is to it
 
     def bounded_attend(self, q, ring, *, scale, num_heads):

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import config
-from .kernels import _sum
+from .intrinsics import lane_sum
 
 
 @njit(parallel=True, nogil=True, cache=config.CACHE, fastmath=set(config.FASTMATH))
@@ -22,10 +22,10 @@ def _parallel_sum(a):
     for c in prange(nchunk):
         # A slice indexed from 0: numba's negative-index wraparound on
         # `a[i]` with i from range(lo, hi) would defeat the vectorizer.
-        # The decode kernel's own lane reduction (_sum): without fast-math a
+        # The decode kernel's own lane reduction (lane_sum): without fast-math a
         # plain `s += x[i]` loop is a serial scalar chain, which measured a
         # sixth of the bandwidth.
-        part[c] = _sum(a[c * step:min(n, (c + 1) * step)])
+        part[c] = lane_sum(a[c * step:min(n, (c + 1) * step)])
     return part.sum()
 
 

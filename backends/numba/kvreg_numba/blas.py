@@ -4,7 +4,7 @@ numpy's BLAS sums the same product in a thread-count dependent order, and
 not only along a long reduction: on an AMD Zen 5 with numpy's OpenBLAS
 0.3.31 (DYNAMIC_ARCH), ``[1536, 64] @ [64, 4096]`` (SmolLM2's prefill score
 tile) gave other bits under ``OPENBLAS_NUM_THREADS=1`` and ``=2``. So
-:func:`kvreg_numba.kernels.attend_chunk` holds the BLAS libraries loaded in
+:func:`kvreg_numba.chunk.attend_chunk` holds the BLAS libraries loaded in
 this process to one thread while it runs (threadpoolctl; about 8 us a
 call), and its answer no longer depends on the host's BLAS setting. On 2
 cores it is also faster: a 4k SmolLM2 chunk took 254 ms on one BLAS thread

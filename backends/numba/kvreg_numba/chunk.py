@@ -13,6 +13,15 @@ the bits depend on the inputs only (never on a BLAS, a thread count or the
 tile), and a tile's scores (``config.CHUNK_TILE_ROWS`` panel rows) stay in
 L2 between the three passes. One core of a Xeon (AVX-512): 133-137 GFLOP/s
 for the score product against OpenBLAS's 105-113 on the same tiles.
+
+A chunk the tiles cannot take (an hd not a multiple of 16, a non-finite
+value row the chunk sees) runs on BLAS GEMMs instead (numpy's matmul, the
+reduction sliced so the bits do not follow BLAS's threads, :mod:`.blas`
+holding it to one), and both paths share the masked softmax
+(:func:`softmax_row`) and the importance column sums defined here; the
+prefill entry :func:`attend_chunk` picks the path. The prefill chunk is its
+own module because it has nothing of the decode's: no blocks merge, its
+work is compute-bound tiles rather than a stream of rows.
 """
 
 from __future__ import annotations
@@ -24,12 +33,22 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from . import config
-from .kernels import _CACHE, _broadcast, _claim, _claim_of, _ir_fma, _target_has, column_sums_into, softmax_row
+from .args import EMPTY_F1, contiguous
+from .atomics import claim, claim_of
+from .blas import one_blas_thread
+from .intrinsics import JIT_CACHE, exp_sum, ir_broadcast, ir_fma, max_nan, target_has
+from .threads import thread_budget
+
+_FM = set(config.FASTMATH)
+_NEG_INF = np.float32(-np.inf)
+_POS_INF = np.float32(np.inf)
+_NAN = np.float32(np.nan)
+_ZERO = np.float32(0.0)
 
 #: float32 lanes of a vector register: 16 where the target has AVX-512, else
 #: 8 (AVX2's ymm; numba's on-disk cache is keyed on the CPU features). The
 #: width decides only which products share an instruction, never a bit.
-LANES = 16 if _target_has("avx512f") else 8
+LANES = 16 if target_has("avx512f") else 8
 #: Panel rows of one register tile: 6 x 2 score vectors and 6 x :data:`V_VECS`
 #: value vectors of accumulators, within the register file (32 zmm, 16 ymm).
 ROWS = 6
@@ -67,9 +86,9 @@ def _outer_fma(builder, accs, rows, k, vecs):
     """``accs[r][c] = fma(rows[r][k], vecs[c], accs[r][c])``: one rank-1
     step of a register tile (a row's scalar broadcast to every vector)."""
     for r, row in enumerate(rows):
-        b = _broadcast(builder, builder.load(builder.gep(row, [k])), ir.VectorType(ir.FloatType(), LANES))
+        b = ir_broadcast(builder, builder.load(builder.gep(row, [k])), ir.VectorType(ir.FloatType(), LANES))
         for c, x in enumerate(vecs):
-            builder.store(_ir_fma(builder, b, x, builder.load(accs[r][c])), accs[r][c])
+            builder.store(ir_fma(builder, b, x, builder.load(accs[r][c])), accs[r][c])
 
 
 @intrinsic
@@ -144,7 +163,7 @@ _values_wide = _values_kernel(V_VECS)
 _values1 = _values_kernel(1)
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def _pack_keys(k, g, kstart, n, kp):
     """Keys ``[kstart, n)`` of group ``g`` as ``kp [blocks, hd, KEYS]``
     (block ``jb`` holds keys ``kstart + KEYS*jb + t``; zeros past ``n``)."""
@@ -162,7 +181,7 @@ def _pack_keys(k, g, kstart, n, kp):
                     blk[d, t] = 0.0
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def _tile(q, g, hpk, i0, bt, s0, w, kstart, kp, v, scale, P, S, O, inv, out):
     """One tile: queries ``[i0, i0 + bt)`` of group ``g``'s heads into
     ``out``; ``P``/``S``/``O``/``inv`` the caller's scratch (``ROWS``-padded).
@@ -205,7 +224,7 @@ def _tile(q, g, hpk, i0, bt, s0, w, kstart, kp, v, scale, P, S, O, inv, out):
     return col0, ncol
 
 
-@njit(parallel=True, nogil=True, cache=_CACHE)
+@njit(parallel=True, nogil=True, cache=JIT_CACHE)
 def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
     """Causal (windowed when ``w > 0``) attention of the chunk ``q [b, nh,
     hd]`` at rows ``[s0, s0 + b)`` of ``k``/``v`` (``[nkv, cap, hd]``
@@ -247,10 +266,10 @@ def chunk_kernel(q, k, v, s0, hpk, scale, w, bt, threads, out, imp):
         taken[0] = 0
         for wk in prange(workers):
             while True:
-                u = _claim_of(taken, 0)
+                u = claim_of(taken, 0)
                 if u >= units:
                     break
-                if _claim(taken, 0, u, u + 1) != u:
+                if claim(taken, 0, u, u + 1) != u:
                     continue
                 if not has_imp:
                     i0 = (ntile - 1 - u) * bt
@@ -280,3 +299,190 @@ def tile_rows(hpk: int, hd: int) -> int:
     channels of ``hd`` (a packed K block is reused by every register tile
     of the panel), of ``hpk`` stacked heads; at least one row."""
     return max(1, int(config.CHUNK_TILE_ROWS) * max(1, hd // 64) // hpk)
+
+
+# ---------------------------------------------------------------------------
+# the masked softmax and importance sums both paths share
+# ---------------------------------------------------------------------------
+
+
+@njit(parallel=True, nogil=True, cache=JIT_CACHE, fastmath=_FM)
+def chunk_softmax(S, scale, s0, i0, bt, klo, window):
+    """Causal (and windowed) softmax in place on a score tile ``S [hpk*bt,
+    nk]`` whose row ``h*bt + r`` is query row ``i0 + r`` of the chunk and
+    whose column ``j`` is key ``klo + j``; masked entries become exactly 0."""
+    for row in prange(S.shape[0]):
+        softmax_row(S[row], scale, s0 + i0 + row % bt, klo, window, True)
+
+
+@njit(nogil=True, cache=JIT_CACHE, fastmath=_FM)
+def softmax_row(x, scale, p, klo, window, normalize):
+    """:func:`chunk_softmax` of one score row ``x`` (column ``j`` = key
+    ``klo + j``) of the query at position ``p``: keys ``[max(0, p + 1 -
+    window), p + 1)`` visible. Returns the row's ``1 / sum``, by which the
+    exponentials are multiplied when ``normalize`` (1 when there is none
+    to apply: a NaN row)."""
+    nk = x.shape[0]
+    end = p + 1 - klo
+    lo = 0
+    if window > 0:
+        lo = max(0, p + 1 - window) - klo
+    for j in range(lo):
+        x[j] = _ZERO
+    seg = x[lo:end]
+    inv = np.float32(1.0)
+    # max of the raw scores, then scaled: rounding x * scale (> 0) is
+    # monotonic, so this is the max of the scaled scores exactly
+    mx = max_nan(seg) * scale
+    if not (mx > _NEG_INF and mx < _POS_INF):
+        # NaN / +inf score, or all -inf: the row's softmax is NaN at
+        # every visible key (docs/kernels.md), 0 at the masked ones.
+        for j in range(end - lo):
+            seg[j] = _NAN
+    else:
+        z = exp_sum(seg, scale, mx)   # seg[j] = fexp(seg[j] * scale - mx); lane_sum(seg)
+        if z > 0:
+            inv = np.float32(1.0) / z
+            if normalize:
+                for j in range(end - lo):
+                    seg[j] *= inv
+    tail = x[end:]
+    for j in range(nk - end):
+        tail[j] = _ZERO
+    return inv
+
+
+@njit(nogil=True, cache=JIT_CACHE)
+def _all_finite(a):
+    """Whether every element of the 2-D ``a`` is finite (one read, no temporaries)."""
+    acc = _ZERO
+    for i in range(a.shape[0]):
+        r = a[i]
+        for j in range(a.shape[1]):
+            acc += r[j] - r[j]  # NaN exactly when some element is NaN or inf
+    return acc == acc
+
+
+@njit(nogil=True, cache=JIT_CACHE)
+def _visible_values(S, vt, s0, i0, bt, klo, window):
+    """``S @ vt`` with row ``h*bt + r`` summing only the keys query ``i0 + r``
+    sees, in key order (the slow path of a tile holding non-finite values)."""
+    m_rows = S.shape[0]
+    hd = vt.shape[1]
+    o = np.zeros((m_rows, hd), np.float32)
+    for row in range(m_rows):
+        i = i0 + row % bt
+        end = s0 + i + 1 - klo
+        lo = 0
+        if window > 0:
+            lo = max(0, s0 + i + 1 - window) - klo
+        for j in range(lo, end):
+            p = S[row, j]
+            for d in range(hd):
+                o[row, d] += p * vt[j, d]
+    return o
+
+
+@njit(nogil=True, cache=JIT_CACHE, fastmath=_FM)
+def column_sums_into(S, dst):
+    """``dst[j] += sum_rows S[row, j]``, rows in order. Serial on purpose:
+    it is one streaming pass (a fraction of a GEMM's time), and a parallel
+    region here costs more in synchronisation than it saves."""
+    m_rows, nk = S.shape
+    for row in range(m_rows):
+        x = S[row]
+        for j in range(nk):
+            dst[j] += x[j]
+
+
+# ---------------------------------------------------------------------------
+# the entry point, and the BLAS path of a chunk the tiles cannot take
+# ---------------------------------------------------------------------------
+
+
+def _gemm_fixed(a, b):
+    """``a @ b`` (float32 BLAS) with the reduction cut into
+    ``config.GEMM_K_BLOCK``-long slices whose products are added in order.
+    OpenBLAS sums a long reduction in a thread-count dependent order (its
+    single-threaded small-matrix path and its threaded path split it
+    differently): at ``a [1200, 1000] @ b [1000, 128]`` one and two threads
+    differed in the last bits. The slices were once enough for the same
+    bits on any thread count; on a Zen 5 short reductions differ too, so
+    :func:`attend_chunk` also holds BLAS to one thread (:mod:`.blas`)."""
+    kb = int(config.GEMM_K_BLOCK)
+    n = a.shape[1]
+    if n <= kb:
+        return a @ b
+    out = a[:, :kb] @ b[:kb]
+    part = np.empty_like(out)
+    for c in range(kb, n, kb):
+        np.matmul(a[:, c:c + kb], b[c:c + kb], out=part)
+        out += part
+    return out
+
+
+def attend_chunk(q, k: np.ndarray, v: np.ndarray, *, s0: int, b: int, hpk: int, scale: float,
+                 window: int | None = None, imp: np.ndarray | None = None, q_tile: int | None = None) -> np.ndarray:
+    """Causal attention of a prefill chunk: ``q [b, nh, hd]``; rows
+    ``[s0, s0+b)`` of every KV head of ``k``/``v`` (``[nkv, cap, hd]`` f32)
+    are the chunk's own rows; row ``i`` sees keys
+    ``[max(0, s0+i+1-window), s0+i+1)``. Per KV group and query tile the
+    group's heads are stacked into one panel and only the keys some row of
+    the tile can see are touched (O(b*(b+w)) for a windowed layer): in
+    registers (:func:`chunk_kernel`) when hd is a multiple of 16 and
+    every value row the chunk sees is finite, else by BLAS. ``imp`` gets the
+    masked column sums. Returns ``[b, nh, hd]`` float32."""
+    q = np.asarray(q, dtype=np.float32)
+    _, nh, hd = q.shape
+    nkv = nh // hpk
+    w = int(window or 0)
+    n = s0 + b
+    kstart = max(0, s0 + 1 - w) if w else 0
+    if hd % 16 == 0 and b > 0 and all(_all_finite(v[g, kstart:n]) for g in range(nkv)):
+        # The register-tiled kernel; a non-finite value row takes the path
+        # below, which sums only the keys a row sees.
+        out = np.empty((b, nh, hd), np.float32)
+        bt = tile_rows(hpk, hd)
+        # Unmeasured: a chunk is long and compute-bound, so even a worker
+        # that shares its core with a busy neighbour still adds what it
+        # gets, and a one-thread probe cost a 4k SmolLM2 prefill ~80 ms a
+        # layer (~175 ms on one thread against ~95 on two, in the model).
+        with thread_budget(4 * nh * b * (n - kstart), "chunk", measure=False) as threads:
+            # q as it comes (a model's [n, nh, hd] is a transposed view): the
+            # kernel gathers each tile's rows itself, so no copy of the chunk
+            chunk_kernel(q, contiguous(k, np.float32), contiguous(v, np.float32), s0, hpk, np.float32(scale), w,
+                         bt, threads, out, EMPTY_F1 if imp is None else imp[:n])
+        return out
+    nk_max = n - (max(0, s0 + 1 - w) if w else 0)
+    bt_max = int(q_tile or config.CHUNK_Q_TILE)
+    bt_max = max(1, min(bt_max, config.CHUNK_TILE_BYTES // (4 * hpk * max(nk_max, 1))))
+    ntile = -(-b // bt_max)
+    bt_max = -(-b // ntile)  # even tiles
+    out = np.empty((b, nh, hd), np.float32)
+    scale = np.float32(scale)
+    ni = 0 if imp is None else min(imp.shape[0], n)
+    with one_blas_thread():   # the bits must not follow the host's BLAS threads (kvreg_numba.blas)
+        for g in range(nkv):
+            qg = np.ascontiguousarray(q[:, g * hpk:(g + 1) * hpk, :].transpose(1, 0, 2))
+            # One read of every value row the chunk sees (the first tile's keys
+            # start lowest); only a group holding a non-finite one checks per tile.
+            finite = _all_finite(v[g, max(0, s0 + 1 - w) if w else 0:n])
+            for i0 in range(0, b, bt_max):
+                bt = min(bt_max, b - i0)
+                klo = max(0, s0 + i0 + 1 - w) if w else 0
+                khi = s0 + i0 + bt
+                panel = qg[:, i0:i0 + bt].reshape(hpk * bt, hd)
+                S = _gemm_fixed(panel, k[g, klo:khi].T)
+                with thread_budget(S.nbytes, "chunk"):
+                    chunk_softmax(S, scale, s0, i0, bt, klo, w)
+                vt = v[g, klo:khi]
+                if finite or _all_finite(vt):
+                    o = _gemm_fixed(S, vt)
+                else:
+                    # 0 * NaN: a NaN/inf value row would reach through the GEMM
+                    # the tile rows that cannot see it; sum visible keys only.
+                    o = _visible_values(S, vt, s0, i0, bt, klo, w)
+                out[i0:i0 + bt, g * hpk:(g + 1) * hpk] = o.reshape(hpk, bt, hd).transpose(1, 0, 2)
+                if ni > klo:
+                    column_sums_into(S[:, :ni - klo] if ni < khi else S, imp[klo:min(ni, khi)])
+    return out

@@ -3,8 +3,8 @@
 Block sizes are read by the Python wrappers at call time and passed to the
 kernels as arguments, so a test can shrink them (``monkeypatch.setattr``) to
 run the multi-block paths on tiny inputs without recompiling anything.
-The compile-time flags (``FASTMATH``, ``CACHE``) are read once, when
-:mod:`kvreg_numba.kernels` is first imported.
+The compile-time flags (``FASTMATH``, ``CACHE``, ``F16_FPEXT``) are read
+once, when the kernel modules are first imported.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ DECODE_BLOCK = 2048
 #:
 #: So none on Zen 4, 8 KiB on the other Zen cores (``znver*``; measured on
 #: Zen 5), 2 KiB elsewhere. The hd-256 passes, whose rows no hardware
-#: prefetcher follows, hint on every CPU (``kernels.HINT_ROWS``). A hint: no
+#: prefetcher follows, hint on every CPU (``sweeps.HINT_ROWS``). A hint: no
 #: value depends on it. Compiled in: a
 #: change needs a fresh compile (``KVREG_NUMBA_CACHE=0`` or a new
 #: ``NUMBA_CACHE_DIR``; numba's cache is kept per CPU model).
@@ -68,7 +68,7 @@ PREFETCH_BYTES = _prefetch_bytes()
 TASK_CHUNK = 4
 
 #: Reads a decode helper thread makes of the newest call's number before it
-#: sleeps (kvreg_numba.kernels._Helpers): ~100 µs on a 2026 x86 core, long
+#: sleeps (kvreg_numba.pool._Helpers): ~100 µs on a 2026 x86 core, long
 #: enough to catch a model's next layer, short enough not to hold a core
 #: the host's own threads want for long.
 HELPER_SPIN = 200_000
@@ -124,11 +124,11 @@ NYSTROM_PREFILL_ROWS = 128
 #: every result is the source's IEEE arithmetic, so the bits are the same
 #: cold or warm, on 1 or N threads, on any vector width. The speed comes
 #: from explicit code instead: fixed-order lane reductions
-#: (:func:`kvreg_numba.kernels._dot` / ``_sum``) and elementwise loops the
-#: vectorizer takes without reassociation.
+#: (:func:`kvreg_numba.intrinsics.lane_dot` / ``lane_sum``) and elementwise
+#: loops the vectorizer takes without reassociation.
 FASTMATH = frozenset()
 
-#: Cache compiled kernels on disk (``__pycache__`` beside kernels.py), so a
+#: Cache compiled kernels on disk (``__pycache__`` beside the modules), so a
 #: second process starts warm. ``KVREG_NUMBA_CACHE=0`` turns it off.
 CACHE = os.environ.get("KVREG_NUMBA_CACHE", "1") != "0"
 
@@ -138,7 +138,7 @@ BANDWIDTH_BYTES = 512 << 20
 #: How the kernels widen binary16 (f16 storage) rows: ``"auto"`` uses LLVM's
 #: ``fpext half -> float`` where numba targets a CPU with F16C (x86's
 #: conversion instructions), else an exact integer decode
-#: (:func:`kvreg_numba.kernels._ir_widen`); ``"0"`` forces the integer
+#: (:func:`kvreg_numba.intrinsics.ir_widen`); ``"0"`` forces the integer
 #: decode (the tests run it too). Read once, when the kernels are imported.
 #: ``KVREG_NUMBA_F16_FPEXT``.
 F16_FPEXT = os.environ.get("KVREG_NUMBA_F16_FPEXT", "auto").strip().lower()

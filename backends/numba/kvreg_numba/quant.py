@@ -15,7 +15,7 @@ _CACHE = config.CACHE
 
 
 @njit(nogil=True, cache=_CACHE)
-def _quant_row(r, group, q, s):
+def quant_row(r, group, q, s):
     # r: the row already divided by the field. Rust's f32::max ignores a NaN
     # operand, so a NaN channel does not poison its group's scale; the NaN
     # itself quantizes to 0 (Rust's saturating `as i8`).
@@ -74,7 +74,7 @@ def quantize_rows(x, col, group):
             c = col[i if m > 1 else 0]
             for d in range(hd):
                 r[d] = xi[d] / c[d]
-        _quant_row(r, group, q[i], s[i])
+        quant_row(r, group, q[i], s[i])
     return q, s
 
 

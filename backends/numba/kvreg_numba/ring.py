@@ -23,19 +23,9 @@ from numba import njit, prange
 from kvreg.bounded import offset_table
 
 from . import config
-from .kernels import (
-    SUB_ROWS,
-    _accumulate,
-    _dot,
-    _max_nan,
-    _scores,
-    _sum,
-    _scratch,
-    fexp,
-    partial_slabs,
-    task_grid,
-    thread_budget,
-)
+from .blocks import SUB_ROWS, accumulate, partial_slabs, scores, task_grid
+from .intrinsics import fexp, lane_dot, lane_sum, max_nan
+from .threads import thread_budget, thread_scratch
 
 _FM = set(config.FASTMATH)
 _CACHE = config.CACHE
@@ -112,22 +102,22 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
             slot = (start + j0 + r) % window
             m = min(SUB_ROWS, nr - r, window - slot)
             _rotate_rows(ring_k, g, slot, m, tcos, tsin, j0 + r, kbuf)
-            _scores(qr, g * hpk, hpk, kbuf, m, scale, Et, r)  # rows in L1
+            scores(qr, g * hpk, hpk, kbuf, m, scale, Et, r)  # rows in L1
             r += m
         for h in range(hpk):
             e = Et[h, :nr]
-            mx = _max_nan(e)  # lanes; the ring holds finite rows only
+            mx = max_nan(e)  # lanes; the ring holds finite rows only
             for i in range(nr):  # elementwise: vectorizes without fast-math
                 e[i] = fexp(e[i] - mx)
             pm[t, h] = mx
-            pl[t, h] = _sum(e)
+            pl[t, h] = lane_sum(e)
             for d in range(hd):
                 pacc[t, h, d] = _ZERO
         r = 0
         while r < nr:
             slot = (start + j0 + r) % window
             m = min(nr - r, window - slot)
-            _accumulate(Et, hpk, r, ring_v[g, slot:slot + m], m, pacc[t])
+            accumulate(Et, hpk, r, ring_v[g, slot:slot + m], m, pacc[t])
             r += m
 
     for row in prange(nh):
@@ -136,7 +126,7 @@ def bounded_kernel(q, qcos, qsin, ring_k, ring_v, start, n_max, firsts, tcos, ts
         qh = qr[row]
         ss = np.empty(nsink, np.float32)
         for j in range(nsink):
-            ss[j] = _dot(qh, sink_k[g, j]) * scale
+            ss[j] = lane_dot(qh, sink_k[g, j]) * scale
         t0 = tstart[g]
         t1 = tstart[g + 1]
         mx = _NEG_INF
@@ -185,7 +175,7 @@ def bounded_attend(q32, ring_k, ring_v, seen, sk, sv, gws, rope, scale, *, block
     firsts = n_max - np.minimum(n_max, np.asarray(gws, dtype=np.int64))
     ntask = int(((n_max - firsts + block - 1) // block).sum())
     table = n_max * half
-    buf = _scratch(2 * table + ntask * hpk * (block + 2 + hd))
+    buf = thread_scratch(2 * table + ntask * hpk * (block + 2 + hd))
     tcos = buf[:table].reshape(n_max, half)
     tsin = buf[table:2 * table].reshape(n_max, half)
     out = np.empty((nh, hd), np.float32)

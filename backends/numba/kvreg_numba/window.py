@@ -2,18 +2,20 @@
 full, in one call (:meth:`kvreg_numba.backend.NumbaBackend.store_window_row`):
 the bits of :meth:`kvreg.storage.LayerStorage.append_window_row`, with the
 window's rows widened by the decode kernels' own binary16 decode
-(:func:`kvreg_numba.kernels._widen`) and quantized by :mod:`.quant`'s."""
+(:func:`kvreg_numba.intrinsics.widen`) and quantized by :mod:`.quant`'s."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from .kernels import _CACHE, _widen, attend_groups, half_bits
-from .quant import _quant_row, fwht_rows
+from .decode import attend_groups
+from .intrinsics import JIT_CACHE, widen
+from .quant import fwht_rows, quant_row
+from .store import half_bits
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def _within(x, bound):
     for i in range(x.shape[0]):
         for d in range(x.shape[1]):
@@ -22,7 +24,7 @@ def _within(x, bound):
     return True
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def _window_side(x, th, q, s, group, row):
     # One quantized side of every head: the window's oldest row into the
     # integer slot (q [nkv, hd], s [nkv, groups]: the slot's rows), the
@@ -31,14 +33,14 @@ def _window_side(x, th, q, s, group, row):
     for h in range(nkv):
         t = th[h]
         for d in range(hd):
-            row[d] = _widen(t[0, d])   # exact, as the decode reads the window
-        _quant_row(row, group, q[h], s[h])
+            row[d] = widen(t[0, d])   # exact, as the decode reads the window
+        quant_row(row, group, q[h], s[h])
         for i in range(w - 1):
             t[i] = t[i + 1]
         half_bits(x[h], t[w - 1])
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp, seq, exact_cap, kgroup,
                     bound):
     """The decode append of a q8 storage whose float16 window is full
@@ -81,13 +83,13 @@ def window_row_step(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, 
     return True
 
 
-@njit(nogil=True, cache=_CACHE)
+@njit(nogil=True, cache=JIT_CACHE)
 def append_window_attend(k, v, rot_k, rot_v, thk, thv, kq, ks, vq, vs, kf, vf, lens, b8, imp_all, seq, exact_cap,
                          kgroup, bound, importance, q, hpk, gids, firsts, ns, akf, akq, aks, kcol, kcol_set, avf, avq,
                          avs, vcol, vcol_set, kquant, vquant, xk, xv, xlen, athk, athv, ab8, scale, softcap, sinks,
                          block, window, upto, imp, out, scratch, state, helpers):
     """A q8 (q8k, q8v) decode step in one dispatch: :func:`window_row_step`
-    (the leading arguments), then :func:`kvreg_numba.kernels.attend_groups`
+    (the leading arguments), then :func:`kvreg_numba.decode.attend_groups`
     (the rest, ``imp`` unread) over the rows with it, the query and the
     answer through the Walsh-Hadamard transform of a rotated side, as
     ``LayerKvCache._rotated_attend`` does with ``rotate_rows``; importance

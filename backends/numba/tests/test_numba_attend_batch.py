@@ -10,7 +10,7 @@ import pytest
 
 import kvreg
 from kvreg import KvMode, threads
-from kvreg_numba import kernels as K
+from kvreg_numba import batch, dispatch
 from kvreg_numba.backend import NumbaBackend
 
 NKV, HPK, HD = 2, 3, 64
@@ -98,14 +98,14 @@ def test_one_launch_for_the_batch(small_blocks, monkeypatch):
     views = _layers(KvMode.Q8V)
     be = NumbaBackend()
     calls = []
-    real = K.attend_batch_kernel
+    real = batch.attend_batch_kernel
 
     def counted(*a):
         calls.append(1)
         return real(*a)
 
-    monkeypatch.setattr(K, "attend_batch_kernel", counted)
-    monkeypatch.setattr(K, "attend_groups", None)  # the layer kernel is not called
+    monkeypatch.setattr(batch, "attend_batch_kernel", counted)
+    monkeypatch.setattr(dispatch, "attend_groups", None)  # the layer kernel is not called
     q = np.ones((len(views), NH, HD), np.float32)
     be.attend_batch(q, views, scale=0.1)
     assert calls == [1]

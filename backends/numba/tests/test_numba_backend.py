@@ -62,22 +62,22 @@ def test_the_kept_kernel_arguments_follow_every_reallocation_and_fork(mode):
 
 
 def test_the_decode_kernel_refuses_a_scratch_too_small_for_its_rows():
-    from kvreg_numba import kernels as K
+    from kvreg_numba import args, decode, dispatch
 
     rng = np.random.default_rng(5)
     k = rng.standard_normal((1, 100, 64)).astype(np.float32)
-    lens = K.frozen_counts(np.array([100]))
-    args = K._kv_args(k, None, None, None, None, k, None, None, None, None, None, None, None)
-    _, need = K.plan_sizes([100], 0, -1, 16, 4, 64, 8)
+    lens = args.frozen_counts(np.array([100]))
+    kv = args.kv_args(k, None, None, None, None, k, None, None, None, None, None, None, None)
+    _, need = dispatch.plan_sizes([100], 0, -1, 16, 4, 64, 8)
     q = np.ones((4, 64), np.float32)
-    call = lambda scratch, window: K.attend_groups(  # noqa: E731
-        q, 4, np.arange(1, dtype=np.int64), K._zeros(1), lens, *args, np.float32(0.1), np.float32(0),
+    call = lambda scratch, window: decode.attend_groups(  # noqa: E731
+        q, 4, np.arange(1, dtype=np.int64), dispatch._zeros(1), lens, *kv, np.float32(0.1), np.float32(0),
         np.empty(0, np.float32), 16, window, -1, np.empty(0, np.float32), np.empty((4, 64), np.float32), scratch,
-        K._NO_STATE, K._NO_HELPERS)
+        decode.NO_STATE, decode.NO_HELPERS)
     with pytest.raises(ValueError, match="scratch"):
         call(np.empty(need - 1, np.float32), 0)
     call(np.empty(need, np.float32), 0)
-    _, narrow = K.plan_sizes([100], 20, -1, 16, 4, 64, 8)   # a window needs less: sized by the visible rows
+    _, narrow = dispatch.plan_sizes([100], 20, -1, 16, 4, 64, 8)   # a window needs less: sized by the visible rows
     assert narrow < need
     call(np.empty(narrow, np.float32), 20)
 

@@ -7,7 +7,7 @@ import pytest
 
 import kvreg
 
-from kvreg_numba import kernels as K
+from kvreg_numba import chunk
 
 from naive import attend_oracle
 
@@ -21,7 +21,7 @@ def test_chunk_matches_per_row_oracle(small_blocks, s0, b, window):
     v = rng.standard_normal((nkv, n + 5, hd)).astype(np.float32)
     q = rng.standard_normal((b, nkv * hpk, hd)).astype(np.float32)
     imp = np.zeros(n, np.float32)
-    out = K.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=0.3, window=window, imp=imp)
+    out = chunk.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=0.3, window=window, imp=imp)
     imp_ref = np.zeros(n)
     for i in range(b):
         lo = max(0, s0 + i + 1 - window) if window else 0
@@ -42,7 +42,7 @@ def test_chunk_leaves_keys_outside_the_window_untouched(small_blocks):
     v = rng.standard_normal((1, s0 + b, 8)).astype(np.float32)
     k[:, : s0 + 1 - w] = np.nan
     v[:, : s0 + 1 - w] = np.nan
-    out = K.attend_chunk(rng.standard_normal((b, 2, 8)).astype(np.float32), k, v, s0=s0, b=b, hpk=2,
+    out = chunk.attend_chunk(rng.standard_normal((b, 2, 8)).astype(np.float32), k, v, s0=s0, b=b, hpk=2,
                          scale=0.5, window=w)
     assert np.isfinite(out).all()
 
@@ -55,9 +55,9 @@ def test_tile_byte_cap_shrinks_tiles_evenly(monkeypatch):
     k = rng.standard_normal((1, s0 + b, 8)).astype(np.float32)
     v = rng.standard_normal((1, s0 + b, 8)).astype(np.float32)
     q = rng.standard_normal((b, 2, 8)).astype(np.float32)
-    ref = K.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5)
+    ref = chunk.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5)
     monkeypatch.setattr(config, "CHUNK_TILE_BYTES", 4 * 2 * (s0 + b) * 7)  # 7 rows per tile at most
-    np.testing.assert_allclose(K.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5), ref, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(chunk.attend_chunk(q, k, v, s0=s0, b=b, hpk=2, scale=0.5), ref, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("hd,nkv,hpk", [(64, 3, 3), (80, 2, 4), (256, 1, 4), (32, 1, 7)])
@@ -70,7 +70,7 @@ def test_the_tiled_kernel_matches_the_oracle(hd, nkv, hpk, s0, b, window):
     k = rng.standard_normal((nkv, n + 3, hd)).astype(np.float32)
     v = rng.standard_normal((nkv, n + 3, hd)).astype(np.float32)
     q = rng.standard_normal((b, nkv * hpk, hd)).astype(np.float32)
-    out = K.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=hd ** -0.5, window=window)
+    out = chunk.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=hd ** -0.5, window=window)
     for i in range(0, b, 4):
         lo = max(0, s0 + i + 1 - window) if window else 0
         for g in range(nkv):
@@ -86,7 +86,7 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
     # the keys a row sees (masked keys add exact zeros), whatever tile or
     # thread computes it: the same rows answer the same bits from one chunk
     # or two, on 1 or 2 threads, at any tile size, with importance or not.
-    from kvreg_numba import chunk, config
+    from kvreg_numba import config
 
     rng = np.random.default_rng(5)
     nkv, hpk, hd, n = 2, 3, 64, 300
@@ -118,9 +118,9 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
     np.testing.assert_array_equal(run(0, n), whole)
     kvreg.set_num_threads(2)
     try:
-        np.testing.assert_array_equal(K.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+        np.testing.assert_array_equal(chunk.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
         qt = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)   # a model's [n, nh, hd] view, read in place
-        np.testing.assert_array_equal(K.attend_chunk(qt, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+        np.testing.assert_array_equal(chunk.attend_chunk(qt, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
     finally:
         kvreg.set_num_threads(None)
 
@@ -131,20 +131,20 @@ def test_a_non_finite_value_row_takes_the_path_that_sums_visible_keys_only():
     k = rng.standard_normal((1, 60, 32), dtype=np.float32)
     v = rng.standard_normal((1, 60, 32), dtype=np.float32)
     v[0, 40] = np.inf
-    out = K.attend_chunk(rng.standard_normal((60, 2, 32), dtype=np.float32), k, v, s0=0, b=60, hpk=2, scale=0.2)
+    out = chunk.attend_chunk(rng.standard_normal((60, 2, 32), dtype=np.float32), k, v, s0=0, b=60, hpk=2, scale=0.2)
     assert np.isfinite(out[:40]).all() and not np.isfinite(out[40:]).any()
 
 
 _WIDTH_PROBE = """
 import sys
 import numpy as np
-from kvreg_numba import chunk, kernels as K
+from kvreg_numba import chunk
 rng = np.random.default_rng(4)
 k = rng.standard_normal((2, 300, 80), dtype=np.float32)
 v = rng.standard_normal((2, 300, 80), dtype=np.float32)
 q = rng.standard_normal((300, 6, 80), dtype=np.float32)
 imp = np.zeros(300, np.float32)
-o = K.attend_chunk(q, k, v, s0=0, b=300, hpk=3, scale=0.125, window=100, imp=imp)
+o = chunk.attend_chunk(q, k, v, s0=0, b=300, hpk=3, scale=0.125, window=100, imp=imp)
 sys.stdout.write(f"{chunk.LANES} {o.tobytes().hex()} {imp.tobytes().hex()}")
 """
 

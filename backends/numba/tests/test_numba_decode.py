@@ -6,7 +6,7 @@ size, empty heads."""
 import numpy as np
 import pytest
 
-from kvreg_numba import kernels as K
+from kvreg_numba import dispatch, quant
 
 from naive import attend_oracle, dequant_k, dequant_v
 from kvreg.conformance.tolerances import tolerance
@@ -25,14 +25,14 @@ def make_layer(mode, nkv=2, hd=40, cap=70, lens=(53, 29), seed=0):
     vcol = (0.5 + rng.random((nkv, hd))).astype(np.float32)
     col_set = np.array([True] + [False] * (nkv - 1))
     if mode in ("q8", "q8k"):
-        kq, ks = K.quantize_rows(kf.reshape(-1, hd), np.empty((0, hd), np.float32), 32)
+        kq, ks = quant.quantize_rows(kf.reshape(-1, hd), np.empty((0, hd), np.float32), 32)
         st.update(kq=kq.reshape(nkv, cap, hd), ks=ks.reshape(nkv, cap, -1), kcol=kcol, kcol_set=col_set)
         k64 = np.stack([dequant_k(st["kq"][g], st["ks"][g], kcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
     else:
         st["k"] = kf
         k64 = kf.astype(np.float64)
     if mode in ("q8", "q8v"):
-        vq, vs = K.quantize_rows(vf.reshape(-1, hd), np.empty((0, hd), np.float32), hd)
+        vq, vs = quant.quantize_rows(vf.reshape(-1, hd), np.empty((0, hd), np.float32), hd)
         st.update(vq=vq.reshape(nkv, cap, hd), vs=vs.reshape(nkv, cap), vcol=vcol, vcol_set=col_set)
         v64 = np.stack([dequant_v(st["vq"][g], st["vs"][g], vcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
     else:
@@ -61,12 +61,12 @@ def test_the_unrolled_head_dims_answer_the_oracle_and_each_head_alone(small_bloc
     st, lens, k64, v64 = make_layer(mode, hd=hd)
     q = qs(4, hd)
     imp = np.zeros(53, np.float32)
-    out = K.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
     o64, p64 = attend_oracle(q, k64[0], v64[0], scale=0.1, first=0, n=53, softcap=0.0, sinks=None)
     np.testing.assert_allclose(out, o64, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(imp, p64.sum(axis=0), rtol=RTOL, atol=ATOL)
     for h in range(4):
-        assert_bits(out[h:h + 1], K.attend_group(q[h:h + 1], 0, lens, scale=0.1, **st))
+        assert_bits(out[h:h + 1], dispatch.attend_group(q[h:h + 1], 0, lens, scale=0.1, **st))
 
 
 def _shifted(st, lens, d):
@@ -93,10 +93,10 @@ def test_result_does_not_depend_on_thread_count(small_blocks, monkeypatch):
     try:
         kvreg.set_num_threads(2)
         imp = np.zeros(70, np.float32)
-        out = K.attend_layer(q, lens, scale=0.2, imp=imp, **st)
+        out = dispatch.attend_layer(q, lens, scale=0.2, imp=imp, **st)
         kvreg.set_num_threads(1)
         imp1 = np.zeros(70, np.float32)
-        assert_bits(out, K.attend_layer(q, lens, scale=0.2, imp=imp1, **st))
+        assert_bits(out, dispatch.attend_layer(q, lens, scale=0.2, imp=imp1, **st))
         assert_bits(imp, imp1)
     finally:
         kvreg.set_num_threads(None)
@@ -105,7 +105,7 @@ def test_result_does_not_depend_on_thread_count(small_blocks, monkeypatch):
 def test_empty_heads_give_zeros_and_leave_imp_alone():
     st, _, _, _ = make_layer("f32")
     imp = np.ones(10, np.float32)
-    out = K.attend_layer(qs(4, 40), np.array([0, 0]), scale=0.2, imp=imp, **st)
+    out = dispatch.attend_layer(qs(4, 40), np.array([0, 0]), scale=0.2, imp=imp, **st)
     assert not out.any() and (imp == 1).all()
 
 
@@ -119,10 +119,10 @@ def test_invariants_hold_for_any_block_size(monkeypatch, block, mode):
     st, lens, _, _ = make_layer(mode, nkv=1, lens=(61,), cap=70)
     q = qs(4, 40)
     imp = np.zeros(61, np.float32)
-    out = K.attend_group(q, 0, lens, first=9, scale=0.3, imp=imp, **st)
+    out = dispatch.attend_group(q, 0, lens, first=9, scale=0.3, imp=imp, **st)
     imp_h = np.zeros(61, np.float32)
     for h in range(4):
-        assert_bits(out[h:h + 1], K.attend_group(q[h:h + 1], 0, lens, first=9, scale=0.3, imp=imp_h, **st))
+        assert_bits(out[h:h + 1], dispatch.attend_group(q[h:h + 1], 0, lens, first=9, scale=0.3, imp=imp_h, **st))
     assert_bits(imp, imp_h)
     tst, tlens = _shifted(st, lens, 9)
-    assert_bits(out, K.attend_group(q, 0, tlens, first=0, scale=0.3, **tst))
+    assert_bits(out, dispatch.attend_group(q, 0, tlens, first=0, scale=0.3, **tst))

@@ -3,7 +3,7 @@
 import numpy as np
 from numba import njit
 
-from kvreg_numba.kernels import _exp_sum, _sum, fexp
+from kvreg_numba.intrinsics import exp_sum, fexp, lane_sum
 
 
 @njit
@@ -31,17 +31,17 @@ def test_fexp_edges():
 def _exp_then_sum(x, scale, mx):
     for i in range(x.shape[0]):
         x[i] = fexp(x[i] * scale - mx)
-    return _sum(x)
+    return lane_sum(x)
 
 
 @njit
 def _fused(x, scale, mx):
-    return _exp_sum(x, scale, mx)
+    return exp_sum(x, scale, mx)
 
 
 def test_the_fused_exp_and_sum_give_fexp_then_sums_bits():
-    # _exp_sum (the softmax's one pass, LANES wide) against fexp per element
-    # then _sum: every length's tail, -inf scores, 4M arguments over the range.
+    # exp_sum (the softmax's one pass, LANES wide) against fexp per element
+    # then lane_sum: every length's tail, -inf scores, 4M arguments over the range.
     rng = np.random.default_rng(1)
     cases = []
     for n in (0, 1, 5, 16, 17, 100, 4099):

@@ -18,7 +18,7 @@ import kvreg
 from kvreg import threads
 from kvreg.layer import LayerKvCache
 from kvreg.quant import from_bf16, from_half, to_bf16
-from kvreg_numba import kernels as K
+from kvreg_numba import dispatch, intrinsics
 from kvreg_numba.backend import NumbaBackend
 
 HALF = ["f16", "bf16"]
@@ -30,21 +30,21 @@ def _widen_loop():
     @njit
     def widen_all(a, out):
         for i in range(a.shape[0]):
-            out[i] = K._widen(a[i])
+            out[i] = intrinsics.widen(a[i])
 
     @njit
     def dots(q, rows, out):
         for i in range(rows.shape[0]):
-            out[i] = K._dot(q, rows[i])
+            out[i] = intrinsics.lane_dot(q, rows[i])
 
     return widen_all, dots
 
 
 @pytest.mark.parametrize("fpext", [True, False], ids=["fpext", "integer-decode"])
 def test_widening_is_exact_for_every_bit_pattern(monkeypatch, fpext):
-    if fpext and not K._target_has("f16c"):
+    if fpext and not intrinsics.target_has("f16c"):
         pytest.skip("no F16C on this CPU: only the integer decode is used")
-    monkeypatch.setattr(K, "F16_FPEXT", fpext)
+    monkeypatch.setattr(intrinsics, "F16_FPEXT", fpext)
     widen_all, dots = _widen_loop()
     out = np.empty(ALL_BITS.size, np.float32)
     widen_all(ALL_BITS.view(np.int16), out)
@@ -120,13 +120,13 @@ def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(small_blo
 
 def _spy(monkeypatch):
     seen = []
-    real = K._run
+    real = dispatch._run
 
     def run(nbytes, nfloats, *args):
         seen.append((nbytes, args))
         return real(nbytes, nfloats, *args)
 
-    monkeypatch.setattr(K, "_run", run)
+    monkeypatch.setattr(dispatch, "_run", run)
     return seen
 
 
@@ -166,8 +166,8 @@ def test_the_same_bits_on_every_thread_count(monkeypatch, mode):
         for t in (1, 2, 3):
             kvreg.set_num_threads(t)
             imp = np.zeros(n, np.float32)
-            o1 = K.attend_layer(q, lens, k=k, v=v, scale=0.1, imp=imp, block=32)
-            o2 = K.attend_layer(q, lens, k=k, v=v, scale=0.1, window=100, softcap=4.0, sinks=sinks, block=32)
+            o1 = dispatch.attend_layer(q, lens, k=k, v=v, scale=0.1, imp=imp, block=32)
+            o2 = dispatch.attend_layer(q, lens, k=k, v=v, scale=0.1, window=100, softcap=4.0, sinks=sinks, block=32)
             outs.append(o1.tobytes() + imp.tobytes() + o2.tobytes())
     finally:
         kvreg.set_num_threads(None)
@@ -207,8 +207,8 @@ def test_eviction_and_prefill_on_a_half_layer(mode):
 _PROBE = """
 import numpy as np, sys
 sys.path[:0] = {paths!r}
-from kvreg_numba import kernels as K
-assert K.F16_FPEXT is False and K._CACHE is False
+from kvreg_numba import dispatch, intrinsics
+assert intrinsics.F16_FPEXT is False and intrinsics.JIT_CACHE is False
 rng = np.random.default_rng(2)
 x = rng.standard_normal((2, 2, 90, 24)).astype(np.float32)
 x[0, 0, 4, 2] = 3e-6; x[1, 1, 7] = 6e-8; x[0, 1, 9, 1] = np.inf; x[1, 0, 3, 3] = np.nan
@@ -216,8 +216,8 @@ k, v = x.astype(np.float16)
 q = rng.standard_normal((6, 24)).astype(np.float32)
 lens = np.array([90, 61])
 imp1, imp2 = np.zeros(90, np.float32), np.zeros(90, np.float32)
-a = K.attend_layer(q, lens, k=k, v=v, scale=0.2, imp=imp1, block=16, softcap=3.0)
-b = K.attend_layer(q, lens, k=k.astype(np.float32), v=v.astype(np.float32), scale=0.2, imp=imp2, block=16,
+a = dispatch.attend_layer(q, lens, k=k, v=v, scale=0.2, imp=imp1, block=16, softcap=3.0)
+b = dispatch.attend_layer(q, lens, k=k.astype(np.float32), v=v.astype(np.float32), scale=0.2, imp=imp2, block=16,
                    softcap=3.0)
 assert a.tobytes() == b.tobytes() and imp1.tobytes() == imp2.tobytes()
 print("ok")

@@ -1,5 +1,5 @@
-"""A decode shared with helper threads (kvreg_numba.kernels: attend_groups,
-decode_helper, _Helpers). Helpers claim tasks from a shared array; the
+"""A decode shared with helper threads (kvreg_numba.decode: attend_groups,
+decode_helper; kvreg_numba.pool: the helper threads). Helpers claim tasks from a shared array; the
 caller runs what is left, copies what helpers finished and takes back what
 a helper still holds, so it never waits long for a thread that lost its
 core. These tests would catch a caller that used a helper's half-written
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvreg
-from kvreg_numba import kernels as K
+from kvreg_numba import decode, dispatch, pool
 
 
 def _call(rows=5000, nkv=2, hd=64, hpk=3, mode="f32", imp=False, seed=0):
@@ -26,15 +26,15 @@ def _call(rows=5000, nkv=2, hd=64, hpk=3, mode="f32", imp=False, seed=0):
     x = rng.standard_normal((rows, nkv, hd)).astype(np.float32)
     lay.extend(x, x)
     got = {}
-    real = K._run
-    K._run = lambda nbytes, nfloats, *args: got.update(nfloats=nfloats, args=args)
+    real = dispatch._run
+    dispatch._run = lambda nbytes, nfloats, *args: got.update(nfloats=nfloats, args=args)
     try:
         lay.attend_layer(rng.standard_normal((nkv * hpk, hd)).astype(np.float32), importance=imp)
     finally:
-        K._run = real
+        dispatch._run = real
     args = list(got["args"])
     args[26] = 1024      # block: 5 tasks per group
-    nfloats = K.scratch_floats(nkv * hpk, hpk, hd, np.asarray(args[3]), np.asarray(args[4]), 1024)
+    nfloats = dispatch.scratch_floats(nkv * hpk, hpk, hd, np.asarray(args[3]), np.asarray(args[4]), 1024)
     ntask = nfloats // (hpk * (1024 + 3 + hd))
     return args, nfloats, ntask
 
@@ -43,7 +43,7 @@ def _run_alone(args, nfloats):
     a = list(args)
     a[29] = a[29].copy()     # imp
     a[30] = np.empty_like(a[30])
-    K.attend_groups(*a, np.empty(nfloats, np.float32), K._NO_STATE, K._NO_HELPERS)
+    decode.attend_groups(*a, np.empty(nfloats, np.float32), decode.NO_STATE, decode.NO_HELPERS)
     return a[30], a[29]
 
 
@@ -55,21 +55,21 @@ def test_the_caller_copies_finished_tasks_and_takes_back_held_ones(mode, imp):
     # helper 0 ran every task into its own scratch
     hs = np.full((1, nfloats), np.nan, np.float32)
     done = np.zeros(ntask, np.int64)
-    K.decode_helper(*args, hs[0], done, K.HELPER)
-    assert (done == K.HELPER + 1).all()
+    decode.decode_helper(*args, hs[0], done, decode.HELPER)
+    assert (done == decode.HELPER + 1).all()
     # now: tasks 0-1 free (the caller runs them), 2-4 finished by the helper,
     # the rest still held by it (taken back: their slots in hs are garbage)
-    state = np.full(ntask, K.HELPER, np.int64)
-    state[:2] = K.TASK_FREE
-    state[2:5] = K.HELPER + 1
+    state = np.full(ntask, decode.HELPER, np.int64)
+    state[:2] = decode.TASK_FREE
+    state[2:5] = decode.HELPER + 1
     hs[0, :] = np.where(np.arange(nfloats) % 7 == 0, np.nan, hs[0])  # garbage the caller must not read...
-    K.decode_helper(*args, hs[0], np.zeros(ntask, np.int64), K.HELPER)  # ...except in finished tasks
+    decode.decode_helper(*args, hs[0], np.zeros(ntask, np.int64), decode.HELPER)  # ...except in finished tasks
     a = list(args)
     a[29], a[30] = args[29].copy(), np.empty_like(args[30])
-    K.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
+    decode.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
     np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
     np.testing.assert_array_equal(a[29].view(np.uint32), want_imp.view(np.uint32))
-    assert (state[:2] == K.TASK_CALLER).all() and (state[5:] == K.TASK_TAKEN_BACK).all()
+    assert (state[:2] == decode.TASK_CALLER).all() and (state[5:] == decode.TASK_TAKEN_BACK).all()
 
 
 @pytest.mark.parametrize("imp", [False, True])
@@ -82,7 +82,7 @@ def test_the_prange_decode_gives_the_single_threads_bits(mode, imp):
     for workers in (1, 2, 3, ntask + 5):
         a = list(args)
         a[29], a[30] = args[29].copy(), np.empty_like(args[30])
-        K.attend_groups_par(*a, np.empty(nfloats, np.float32), workers)
+        decode.attend_groups_par(*a, np.empty(nfloats, np.float32), workers)
         np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
         np.testing.assert_array_equal(a[29].view(np.uint32), want_imp.view(np.uint32))
 
@@ -91,10 +91,10 @@ def test_a_held_task_is_taken_back_not_read():
     args, nfloats, ntask = _call()
     want, _ = _run_alone(args, nfloats)
     hs = np.full((1, nfloats), np.nan, np.float32)   # the helper wrote nothing yet
-    state = np.full(ntask, K.HELPER, np.int64)       # and holds every task
+    state = np.full(ntask, decode.HELPER, np.int64)       # and holds every task
     a = list(args)
     a[30] = np.empty_like(args[30])
-    K.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
+    decode.attend_groups(*a, np.empty(nfloats, np.float32), state, hs)
     np.testing.assert_array_equal(a[30].view(np.uint32), want.view(np.uint32))
 
 
@@ -107,8 +107,8 @@ def test_two_threads_give_one_threads_bits_and_post_to_a_helper(monkeypatch):
     monkeypatch.setenv("KVREG_THREADS", "1")
     one = lay.attend_layer(q)
     posted = []
-    real = K._helpers.post
-    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    real = pool.helpers.post
+    monkeypatch.setattr(pool.helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
     monkeypatch.setenv("KVREG_THREADS", "2")
     for _ in range(20):
         np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), one.view(np.uint32))
@@ -137,15 +137,15 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     now = time.monotonic()
     ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}   # two threads measured slower
     posted = []
-    real = K._helpers.post
-    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    real = pool.helpers.post
+    monkeypatch.setattr(pool.helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
     regions = []
-    par = K.attend_groups_par
-    monkeypatch.setattr(K, "attend_groups_par", lambda *a: (regions.append(a[-1]), par(*a)))
-    monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
+    par = decode.attend_groups_par
+    monkeypatch.setattr(dispatch, "attend_groups_par", lambda *a: (regions.append(a[-1]), par(*a)))
+    monkeypatch.setattr(dispatch, "in_torch_pool", lambda: True)
     monkeypatch.setattr(threads, "_model", threading.local())   # this test's own, dropped after it
     threads.set_torch_model(True)
-    monkeypatch.setattr(K, "torch_spins", lambda: True)
+    monkeypatch.setattr(dispatch, "torch_spins", lambda: True)
     want = None
     for _ in range(2):                          # a switch's warm-up call, then the measured one
         want = lay.attend_layer(q)
@@ -158,7 +158,7 @@ def test_in_a_torch_host_the_default_budget_runs_the_decode_count_measured_faste
     before = ch.last[2]
     np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
     assert posted == [1] and regions == [2, 2] and ch.last[2] > before
-    monkeypatch.setattr(K, "torch_spins", lambda: False)   # no torch: helpers, measured all the same
+    monkeypatch.setattr(dispatch, "torch_spins", lambda: False)   # no torch: helpers, measured all the same
     posted.clear()
     before = ch.last[2]
     np.testing.assert_array_equal(lay.attend_layer(q).view(np.uint32), want.view(np.uint32))
@@ -187,18 +187,18 @@ def test_the_fused_decode_step_gives_append_then_attend_layers_bits(monkeypatch,
         ref.append(k, v)
         want.append(ref.attend_layer(q, window=3000))
     posted, fused = [], []
-    real = K._helpers.post
-    monkeypatch.setattr(K._helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
+    real = pool.helpers.post
+    monkeypatch.setattr(pool.helpers, "post", lambda jobs: (posted.append(len(jobs)), real(jobs)))
     # (only the entries _run calls: a kernel other njit code calls is resolved when that compiles)
     for name in ("append_attend_groups_par", "append_attend_groups"):
-        kernel = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, kernel=kernel, name=name: (fused.append(name), kernel(*a)))
+        kernel = getattr(dispatch, name)
+        monkeypatch.setattr(dispatch, name, lambda *a, kernel=kernel, name=name: (fused.append(name), kernel(*a)))
     monkeypatch.setattr(threads, "_model", threading.local())
     if path != "one thread":
         monkeypatch.setenv("KVREG_THREADS", "2")
     if path == "prange region":
-        monkeypatch.setattr(K, "torch_spins", lambda: True)
-        monkeypatch.setattr(K, "_in_torch_pool", lambda: True)
+        monkeypatch.setattr(dispatch, "torch_spins", lambda: True)
+        monkeypatch.setattr(dispatch, "in_torch_pool", lambda: True)
         threads.set_torch_model(True)
     lay = kvreg.LayerKvCache(8, 128, mode, "numba")
     lay.extend(x, x)

@@ -10,7 +10,8 @@ import pytest
 
 import kvreg
 from kvreg import threads
-from kvreg_numba import kernels as K
+from kvreg_numba import chunk, dispatch
+from kvreg_numba import threads as numba_threads
 
 
 @pytest.fixture(autouse=True)
@@ -23,22 +24,22 @@ def _budget(monkeypatch):
 def test_the_budget_sets_numba_threads_inside_and_restores_them_after():
     kvreg.set_num_threads(1)
     before = numba.get_num_threads()
-    with K.thread_budget(1 << 40):
+    with numba_threads.thread_budget(1 << 40):
         assert numba.get_num_threads() == 1
     assert numba.get_num_threads() == before
 
 
 def test_small_work_runs_on_one_thread_whatever_the_budget():
     kvreg.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    with K.thread_budget(threads.SMALL_WORK_BYTES - 1):
+    with numba_threads.thread_budget(threads.SMALL_WORK_BYTES - 1):
         assert numba.get_num_threads() == 1
-    with K.thread_budget(threads.SMALL_WORK_BYTES):
+    with numba_threads.thread_budget(threads.SMALL_WORK_BYTES):
         assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
 
 
 def test_a_budget_above_numbas_pool_is_clamped_to_it():
     kvreg.set_num_threads(numba.config.NUMBA_NUM_THREADS + 7)
-    with K.thread_budget(1 << 40):
+    with numba_threads.thread_budget(1 << 40):
         assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
 
 
@@ -53,7 +54,7 @@ def test_decode_answers_the_same_bits_on_every_budget(monkeypatch):
     for t in (1, 2, 3):
         kvreg.set_num_threads(t)
         imp = np.zeros(n, np.float32)
-        outs.append((K.attend_layer(q, np.full(nkv, n), k=k, v=v, scale=0.1, imp=imp, block=32), imp))
+        outs.append((dispatch.attend_layer(q, np.full(nkv, n), k=k, v=v, scale=0.1, imp=imp, block=32), imp))
     for out, imp in outs[1:]:
         assert out.tobytes() == outs[0][0].tobytes() and imp.tobytes() == outs[0][1].tobytes()
 
@@ -99,11 +100,11 @@ def test_under_the_default_budget_the_count_measured_faster_runs(monkeypatch):
     # two threads measured 50x slower (busy neighbours), probed a moment ago
     ch.cost, ch.last, ch.interval = {2: 50.0, 1: 1.0}, {2: now, 1: now}, {2: 8.0}
     for _ in range(2):                     # a warm-up call, then the measured one
-        with K.thread_budget(1 << 30):
+        with numba_threads.thread_budget(1 << 30):
             assert numba.get_num_threads() == 1
     ch.cost[2] = 0.5                       # quiet again (a probe said so)
     for _ in range(2):                     # a switch's warm-up call, then the measured one
-        with K.thread_budget(1 << 30):
+        with numba_threads.thread_budget(1 << 30):
             assert numba.get_num_threads() == 2
     assert ch.last[2] > now                # the call was timed for the chooser
 
@@ -139,9 +140,9 @@ def _chunk_under_spy(monkeypatch, real):
             seen.append(_blas_threads())   # the outer holder still holds it
             yield
 
-    monkeypatch.setattr(K, "one_blas_thread", spy)
+    monkeypatch.setattr(chunk, "one_blas_thread", spy)
     rng = np.random.default_rng(2)
     # hd 12, not a multiple of 16: the BLAS path (kvreg_numba.chunk takes the rest)
     k = rng.standard_normal((1, 40, 12), dtype=np.float32)
-    K.attend_chunk(rng.standard_normal((40, 2, 12), dtype=np.float32), k, k, s0=0, b=40, hpk=2, scale=0.25)
+    chunk.attend_chunk(rng.standard_normal((40, 2, 12), dtype=np.float32), k, k, s0=0, b=40, hpk=2, scale=0.25)
     assert seen and all(n == 1 for counts in seen for n in counts)

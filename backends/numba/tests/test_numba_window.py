@@ -17,7 +17,7 @@ from kvreg import threads
 from kvreg.layer import LayerKvCache
 from kvreg.reference import ReferenceBackend
 from kvreg.testing.fill import poison_window_slots
-from kvreg_numba import kernels as K
+from kvreg_numba import dispatch
 from kvreg_numba.backend import NumbaBackend
 
 MODES = ["q8", "q8k", "q8v"]
@@ -100,13 +100,13 @@ def test_the_layer_kernel_equals_its_groups(small_blocks, mode):
 
 def _spy(monkeypatch):
     seen = []
-    real = K._run
+    real = dispatch._run
 
     def run(nbytes, nfloats, *args):
         seen.append(args)
         return real(nbytes, nfloats, *args)
 
-    monkeypatch.setattr(K, "_run", run)
+    monkeypatch.setattr(dispatch, "_run", run)
     return seen
 
 
@@ -190,8 +190,8 @@ def test_the_same_bits_on_every_thread_count(monkeypatch, mode):
         for t in (1, 2, 3):
             kvreg.set_num_threads(t)
             imp = np.zeros(300, np.float32)
-            o1 = K.attend_layer(q, st.lens, scale=0.1, imp=imp, block=32, **_args(st))
-            o2 = K.attend_layer(q, st.lens, scale=0.1, window=100, softcap=4.0, sinks=sinks, block=32,
+            o1 = dispatch.attend_layer(q, st.lens, scale=0.1, imp=imp, block=32, **_args(st))
+            o2 = dispatch.attend_layer(q, st.lens, scale=0.1, window=100, softcap=4.0, sinks=sinks, block=32,
                                 **_args(st))
             o3 = be.attend_layer(q, st, scale=0.1, window=40)
             outs.append(o1.tobytes() + imp.tobytes() + o2.tobytes() + o3.tobytes())

@@ -13,8 +13,7 @@ import pytest
 from kvreg import ShapeError
 from kvreg.layer import LayerKvCache
 from kvreg.quant import to_bf16
-from kvreg_numba.kernels import bf16_bits
-from kvreg_numba.window import half_bits
+from kvreg_numba.store import bf16_bits, half_bits
 
 MODES = ["q8", "q8k", "q8v"]
 
