@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
+from kvreg_conformance.oracle import quantize_oracle
 from kvreg_numba import kernels as K
-
-from naive import quantize_oracle
 
 NOCOL = np.empty((0, 0), np.float32)
 
