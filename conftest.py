@@ -10,7 +10,7 @@ test`` then ``make test-full`` run every test once.
 
 from __future__ import annotations
 
-from kvreg.conformance.plugin import profile
+from kvreg_conformance.plugin import profile
 
 #: The slow kinds, each a registered marker (pyproject.toml) of the full tier.
 FULL_TIER = ("real_models", "model_families", "cold_jit", "suite_meta", "long_fuzz", "full_product")

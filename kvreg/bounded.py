@@ -16,7 +16,7 @@ for bit up to that depth.
 
 Kernel contract (:func:`bounded_attend`, which a backend may override): pure,
 float32 in and out, no state mutation; must match
-:func:`kvreg.testing.bounded_oracle.bounded_attend_oracle` (float64, loops)
+:func:`kvreg_conformance.oracle.bounded_attend_oracle` (float64)
 within the attention tolerance class.
 """
 

@@ -1,6 +1,7 @@
-"""The ``kvreg`` command: ``info``, ``wire inspect``, ``conformance``; with the
-kvreg-tools distribution installed also ``generate``, ``eval``, ``bench``,
-``demo`` (entry-point group ``kvreg.commands``, :data:`COMMANDS_GROUP`)."""
+"""The ``kvreg`` command: ``info``, ``wire inspect``; with the
+kvreg-conformance distribution installed also ``conformance``, with
+kvreg-tools ``generate``, ``eval``, ``bench``, ``demo`` (entry-point group
+``kvreg.commands``, :data:`COMMANDS_GROUP`)."""
 
 from __future__ import annotations
 
@@ -137,19 +138,15 @@ def _cmd_wire_inspect(args) -> int:
     return 1 if report.rstrip().splitlines()[-1].startswith("ERROR") else 0
 
 
-def _cmd_conformance(args) -> int:
-    from kvreg.conformance_cli import run
-
-    return run(args)
-
-
-#: The subcommands the kvreg-tools distribution provides: name -> help.
-#: Without it installed each still parses and says where it lives.
-TOOL_COMMANDS = {
-    "generate": "text from a real model through kvreg, beside DynamicCache",
-    "eval": "perplexity, KL and top-1 agreement of cache configs on a real model",
-    "bench": "throughput against the machine's limits and peers",
-    "demo": "a small GPT-style decoder driving KvCache",
+#: The subcommands other distributions provide: name -> (distribution, its
+#: folder in kvreg's repository, help). Without the distribution installed
+#: each still parses and says how to install it.
+PLUGIN_COMMANDS = {
+    "conformance": ("kvreg-conformance", "conformance", "run the conformance suite per backend and device"),
+    "generate": ("kvreg-tools", "tools", "text from a real model through kvreg, beside DynamicCache"),
+    "eval": ("kvreg-tools", "tools", "perplexity, KL and top-1 agreement of cache configs on a real model"),
+    "bench": ("kvreg-tools", "tools", "throughput against the machine's limits and peers"),
+    "demo": ("kvreg-tools", "tools", "a small GPT-style decoder driving KvCache"),
 }
 
 #: The entry-point group of extra ``kvreg`` subcommands. Each entry point is a
@@ -188,13 +185,15 @@ def _register_plugins(sub) -> dict:
     return errors
 
 
-def _missing_tool(name: str, error: str | None):
-    """The handler of a kvreg-tools subcommand that no installed plugin provides."""
+def _missing_command(name: str, error: str | None):
+    """The handler of a :data:`PLUGIN_COMMANDS` subcommand that no installed plugin provides."""
+    dist, folder, _ = PLUGIN_COMMANDS[name]
+
     def run(args) -> int:
         why = f"its plugin failed to load ({error})" if error else "it is not installed"
-        print(f"kvreg {name}: this command lives in the kvreg-tools distribution, and {why}.\n"
-              f"  pip install kvreg-tools\n"
-              f"  (in kvreg's repository: pip install -e tools)", file=sys.stderr)
+        print(f"kvreg {name}: this command lives in the {dist} distribution, and {why}.\n"
+              f"  pip install {dist}\n"
+              f"  (in kvreg's repository: pip install -e {folder})", file=sys.stderr)
         return 2
 
     return run
@@ -212,32 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("file")
     ip.set_defaults(func=_cmd_wire_inspect)
 
-    cp = sub.add_parser("conformance", help="run the conformance suite per backend and device")
-    cp.add_argument("--backend", default=None, help="backend name or 'all' (default: all installed)")
-    cp.add_argument("--device", default=None, help="device spec (backend-specific)")
-    cp.add_argument("--report", default=None, metavar="FILE.json")
-    cp.add_argument("--junit", default=None, metavar="FILE.xml")
-    cp.add_argument("-k", dest="keyword", default=None, metavar="EXPR")
-    cp.add_argument("--profile", choices=("quick", "default", "full"), default=None,
-                    help="how thorough: quick (the quick cases, few examples), default, full (many examples); "
-                         "default: KVREG_PROFILE or 'default'")
-    cp.add_argument("--quick", action="store_true", help="the same as --profile quick")
-    cp.set_defaults(func=_cmd_conformance)
-
     errors = _register_plugins(sub)
-    for name, help_ in TOOL_COMMANDS.items():
+    for name, (dist, _, help_) in PLUGIN_COMMANDS.items():
         if name not in sub.choices:
             # No options of its own: any arguments (--help included) end in
-            # the message of _missing_tool (see main).
-            mp = sub.add_parser(name, help=f"{help_} (needs kvreg-tools)", add_help=False)
-            mp.set_defaults(func=_missing_tool(name, errors.get(name)), _tool_missing=True)
+            # the message of _missing_command (see main).
+            mp = sub.add_parser(name, help=f"{help_} (needs {dist})", add_help=False)
+            mp.set_defaults(func=_missing_command(name, errors.get(name)), _plugin_missing=True)
     return p
 
 
 def main(argv=None) -> int:
     p = build_parser()
     args, extra = p.parse_known_args(argv)
-    if extra and not getattr(args, "_tool_missing", False):
+    if extra and not getattr(args, "_plugin_missing", False):
         p.error(f"unrecognized arguments: {' '.join(extra)}")  # as parse_args would
     return args.func(args)
 

@@ -27,11 +27,11 @@ Q8_EXACT_ROWS = 1
 
 #: The newest rows of each head a q8 layer (``Q8``, ``Q8K``, ``Q8V``) keeps in
 #: float16 instead of int8, on its quantized side(s); a row is quantized when
-#: it leaves (kvreg_tools.kv_quant_study: 8 rows cut SmolLM2's KL 3x at the same
+#: it leaves (research/kv_quant_study.py: 8 rows cut SmolLM2's KL 3x at the same
 #: bytes; docs/formats.md).
 Q8_WINDOW = 8
 
-#: q4's tiers (measured with kvreg_tools.kv_quant_study, see docs/formats.md):
+#: q4's tiers (measured with research/kv_quant_study.py, see docs/formats.md):
 #: each head's newest ``Q4_WINDOW`` rows are float16; the next
 #: ``Q4_INT8_ROWS`` older ones int8 (float16 scale per 32 channels); older
 #: rows int4 (K: float16 scale per 32 channels, V: per 64). Rows are

@@ -31,7 +31,7 @@ Numerics contract (the conformance suite checks it):
   ``upto=i`` == the call when the layer held ``i`` rows; the same bits at
   any thread count and compile-cache state;
 * tolerance class against the float64 oracle (one table,
-  :mod:`kvreg.conformance.tolerances`): attention outputs, probabilities and
+  :mod:`kvreg_conformance.tolerances`): attention outputs, probabilities and
   importance, ``attend_chunk``, bounded and Nyström kernels.
 """
 
@@ -129,7 +129,7 @@ class Backend(abc.ABC):
     #: Keeps device copies of storage, keyed on :attr:`KvView.version`.
     device_resident: ClassVar[bool] = False
     #: This backend's list of known conformance gaps, as a package resource
-    #: ``"package:relative/path.txt"`` (format: kvreg/conformance/README.md).
+    #: ``"package:relative/path.txt"`` (format: conformance/README.md).
     conformance_xfail: ClassVar[str | None] = None
     #: True on the NumPy reference only: its kernels are nobody's native ones.
     is_reference: ClassVar[bool] = False

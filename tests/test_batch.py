@@ -1,6 +1,6 @@
 """kvreg.attend_batch: what it refuses (before any layer changes) and how it
 treats sealed layers. Bit-identity per backend is the conformance suite's
-(kvreg/conformance/test_batch.py)."""
+(kvreg_conformance/test_batch.py)."""
 
 import copy
 

@@ -17,8 +17,8 @@ from kvreg.bounded import (
     ring_view,
 )
 from kvreg.errors import ConfigError, KvregError, ShapeError, StateError
-from kvreg.testing.bounded_oracle import bounded_attend_oracle
-from kvreg.conformance.tolerances import tolerance
+from kvreg_conformance.oracle import bounded_attend_oracle
+from kvreg_conformance.tolerances import tolerance
 
 RTOL = tolerance("bounded_attend")[0]
 

@@ -1,6 +1,7 @@
 """The kvreg command's plugin seam: subcommands from the ``kvreg.commands``
-entry points, a clear message when kvreg-tools (which provides bench, eval,
-generate and demo) is absent, and a parser that stays light."""
+entry points, a clear message when kvreg-conformance (which provides
+conformance) or kvreg-tools (bench, eval, generate, demo) is absent, and a
+parser that stays light."""
 
 from __future__ import annotations
 
@@ -34,14 +35,30 @@ def test_tool_command_without_kvreg_tools_says_where_it_lives(no_plugins, capsys
     assert "pip install kvreg-tools" in err and "pip install -e tools" in err
 
 
-def test_help_lists_tool_commands_without_kvreg_tools(no_plugins, capsys):
+@pytest.mark.parametrize("argv", [["conformance"], ["conformance", "--backend", "all", "--profile", "quick"],
+                                  ["conformance", "--help"]])
+def test_conformance_without_kvreg_conformance_says_how_to_install_it(no_plugins, capsys, argv):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "kvreg conformance: this command lives in the kvreg-conformance distribution" in err
+    assert "pip install kvreg-conformance" in err and "pip install -e conformance" in err
+
+
+def test_help_lists_plugin_commands_without_their_distributions(no_plugins, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ("info", "wire", "conformance", *cli.TOOL_COMMANDS):
+    for name in ("info", "wire", *cli.PLUGIN_COMMANDS):
         assert name in out
-    assert "(needs kvreg-tools)" in out
+    assert "(needs kvreg-tools)" in out and "(needs kvreg-conformance)" in out
+
+
+def test_info_runs_without_the_suite(no_plugins, capsys, monkeypatch):
+    # kvreg info is the core's own: no plugin command, no kvreg_conformance import
+    monkeypatch.setitem(sys.modules, "kvreg_conformance", None)
+    assert cli.main(["info"]) == 0
+    assert "registered backends:" in capsys.readouterr().out
 
 
 def test_core_commands_still_refuse_unknown_arguments(no_plugins, capsys):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvreg import KvMode, LayerKvCache, ShapeError
-from kvreg.testing import startable_backends
+from kvreg_conformance import startable_backends
 from pairwise import params
 
 

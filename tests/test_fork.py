@@ -12,7 +12,7 @@ import pytest
 import kvreg
 import kvreg._snapshot
 from kvreg import KvCache, LayerKvCache
-from kvreg.testing import startable_backends
+from kvreg_conformance import startable_backends
 
 NKV, HD, HPK = 2, 32, 2
 BACKENDS = startable_backends(("reference", "numba", "opencl"))

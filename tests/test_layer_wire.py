@@ -1,5 +1,5 @@
 """kvreg's wire guarantees beyond the Rust engine's (its own wire tests run in
-kvreg/conformance/test_reference_semantics.py)."""
+kvreg_conformance/test_reference_semantics.py)."""
 
 import struct
 

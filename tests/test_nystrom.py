@@ -8,8 +8,8 @@ import pytest
 import kvreg.nystrom as ny
 from kvreg.errors import ConfigError, ShapeError, StateError
 from kvreg.nystrom import FarField, NystromState, O1Rect, o1_deferred_boundary
-from kvreg.testing.nystrom_oracle import nystrom_oracle
-from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
+from kvreg_conformance.data import realistic_qkv
+from kvreg_conformance.oracle import attention_oracle, nystrom_oracle
 
 
 def group_data(rows, hpk=2, hd=16, seed=0):
@@ -27,7 +27,7 @@ def sealed(t0, rows, m=8, w=16, sink=4, hpk=2, hd=16, seed=0, **kw):
 
 def exact_out(q, k, v, scale, pos):
     """Exact attention of q[:, pos] over rows [0, pos]: [hpk, hd] float64."""
-    return exact_attention_f64(q[:, pos][None], k[:pos + 1, None], v[:pos + 1, None], scale)[0]
+    return attention_oracle(q[:, pos][None], k[:pos + 1, None], v[:pos + 1, None], scale)[0]
 
 
 def rel(a, b):

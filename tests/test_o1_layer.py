@@ -1,12 +1,13 @@
 """The O(1) seal lifecycle on a layer: validation, latch, memory (the Rust engine's tests of it:
-kvreg/conformance/test_reference_semantics.py)."""
+kvreg_conformance/test_reference_semantics.py)."""
 
 import numpy as np
 import pytest
 
 from kvreg import KvMode, LayerKvCache, Lifecycle, SealError, ShapeError, StateError
 from kvreg.nystrom import O1Rect
-from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
+from kvreg_conformance.data import realistic_qkv
+from kvreg_conformance.oracle import attention_oracle
 
 
 def layer(nkv=1, hd=4, mode=KvMode.F32):
@@ -53,7 +54,7 @@ def test_seal_then_step_tracks_exact_attention_on_a_short_far_field():
     assert lay.o1_sealed() and lay.take_o1_transition() and not lay.take_o1_transition()
     assert lay.memory_bytes() < mem_before
     out = lay.o1_step(d.q[t], d.k[t], d.v[t], nh)
-    ref = exact_attention_f64(d.q[t:t + 1], d.k[:t + 1], d.v[:t + 1], 1 / np.sqrt(hd))[0]
+    ref = attention_oracle(d.q[t:t + 1], d.k[:t + 1], d.v[:t + 1], 1 / np.sqrt(hd))[0]
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err < 0.5, f"sealed step far from exact attention: {err}"
     assert lay.seq_len == t + 1

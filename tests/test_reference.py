@@ -1,6 +1,6 @@
 """Reference-backend specifics: views, kernel invariants through its own primitives.
 
-The Rust engine's own tests run on every backend in kvreg/conformance/test_reference_semantics.py."""
+The Rust engine's own tests run on every backend in kvreg_conformance/test_reference_semantics.py."""
 
 import numpy as np
 

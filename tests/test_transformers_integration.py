@@ -19,7 +19,7 @@ from kvreg import EvictionPolicy  # noqa: E402
 from kvreg.errors import ConfigError  # noqa: E402
 from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache  # noqa: E402
 from kvreg.models import load  # noqa: E402
-from kvreg.testing import startable_backends  # noqa: E402
+from kvreg_conformance import startable_backends  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"

@@ -24,7 +24,7 @@ SCALE = HD ** -0.5
 @functools.lru_cache(maxsize=1)
 def _batch(mode: str, rows: int = ROWS):
     """32 numba layers of ``rows`` rows (distinct data) and their queries."""
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     be = common.backend("numba")
     layers = [filled_layer(rows, NKV, HD, mode=mode, backend=be, seed=s) for s in range(BATCH)]

@@ -40,7 +40,7 @@ def backend(name: str):
 
 def layer(name: str, rows: int, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEAD_DIM, seed=0):
     """A layer of ``rows`` rows on backend ``name`` (bulk-filled, see
-    :mod:`kvreg.testing.fill`); cached per process."""
+    :mod:`kvreg_conformance.fill`); cached per process."""
     return _layer(name, rows, str(mode), nkv, hd, seed)
 
 
@@ -56,7 +56,7 @@ def cold_layers(name: str, rows: int, q, *, mode="f32", nkv=NUM_KV_HEADS, hd=HEA
 
 def _new_layer(name, rows, mode, nkv, hd, seed):
     from kvreg.errors import KvregError
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     be = backend(name)
     try:

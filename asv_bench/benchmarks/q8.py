@@ -68,15 +68,16 @@ class Q8Decode:
 class Q8Error:
     """Relative error ``||o - ô|| / ||o||`` (median over heads) of the decode
     output against float64 exact attention over the unquantized rows, on
-    realistic data (RoPE, outlier channels, a sink: kvreg_tools.realistic)."""
+    realistic data (RoPE, outlier channels, a sink: kvreg_conformance.data.realistic_qkv)."""
 
     params = [common.backend_names(), ["f32", "q8"]]
     param_names = ["backend", "kv"]
     ROWS = 4096
 
     def setup(self, name, kv):
-        from kvreg.testing.fill import filled_layer
-        from kvreg_tools.realistic import exact_attention_f64, realistic_qkv
+        from kvreg_conformance.data import realistic_qkv
+        from kvreg_conformance.fill import filled_layer
+        from kvreg_conformance.oracle import attention_oracle
 
         d = realistic_qkv(self.ROWS, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, seed=0)
         k = np.ascontiguousarray(d.k.transpose(1, 0, 2))
@@ -84,7 +85,7 @@ class Q8Error:
         self.layer = filled_layer(self.ROWS, NUM_KV_HEADS, HEAD_DIM, mode=kv, backend=common.backend(name),
                                   k=k, v=v)
         self.q = d.q[-1]
-        self.ref = exact_attention_f64(d.q[-1:], d.k, d.v, d.scale)[0]
+        self.ref = attention_oracle(d.q[-1:], d.k, d.v, d.scale)[0]
 
     def track_rel_error_vs_f64(self, name, kv):
         out = self.layer.attend_layer(self.q, importance=False).astype(np.float64)

@@ -21,7 +21,7 @@ FARS = ["nystrom", "tiered"]
 def collecting_layer(name, rows, far="nystrom"):
     """A fresh layer of ``rows`` rows with the O(1) overlay armed and its
     (strided) query trace recorded, ready to seal."""
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     layer = filled_layer(rows, NUM_KV_HEADS, HEAD_DIM, backend=common.backend(name))
     layer.o1_begin(M, W, SINK, far=far)

@@ -57,7 +57,7 @@ def compile_times() -> tuple[float, float]:
 def seal_times(rounds: int) -> dict[str, float]:
     """Best ``o1_seal`` time per backend: 32k rows, 8 KV / 32 Q heads, hd 128,
     m 64, w 1024, sink 4 (building the layer is not timed)."""
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     t, nkv, nh, hd = 32768, 8, 32, 128
     trace = np.random.default_rng(1).standard_normal((t, nh * hd), dtype=np.float32)

@@ -51,7 +51,7 @@ output error 9.75 at 8k context, m 16; on the real attention data of
 ``o1_report --real`` the box check takes the p99 of the far-heavy reads at 2k
 context, w 64, m 64 from 15.2 to 2.9.)
 
-Why this estimator (measured with ``kvreg_tools.o1_report`` on realistic data,
+Why this estimator (measured with ``research/o1_report.py`` on realistic data,
 seeds 0 and 1, and on its real attention data): plain Nyström (``p = m``
 segment-mean probes interpolated with a truncated pseudo-inverse, no prior)
 came within 0.93x of pooling at 32k context, m 16 (median output error 0.72

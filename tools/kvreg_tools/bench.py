@@ -9,10 +9,9 @@ append over a memcpy of the row, a decode beside a busy process over the
 same decode quiet), because absolute times on a shared, noisy machine say
 little.
 
-``what``: ``all`` (decode, q8, busy, small call, prefill, append, wire),
-``decode`` (decode, q8, busy and small call only) or ``o1`` (the accuracy
-table of :mod:`kvreg_tools.o1_report`; with ``--real`` on the captured
-real-model Q/K/V instead of the generator).
+``what``: ``all`` (decode, q8, busy, small call, prefill, append, wire) or
+``decode`` (decode, q8, busy and small call only). The layers are filled by
+:mod:`kvreg_conformance.fill` (the ``bench`` extra installs it).
 :func:`run` returns every figure as a JSON-able dict; :func:`main` is the CLI.
 Tests pass a tiny :class:`Sizes` through ``args.sizes``.
 """
@@ -22,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import importlib.util
 import json
 import os
 import platform
@@ -296,7 +296,7 @@ class SmallModelCall:
     CALLS = ("append + attend_layer", "append_attend", "decode_step")
 
     def __init__(self, backend, rows: int = 1024, layers: int = 30):
-        from kvreg.testing.fill import filled_layer
+        from kvreg_conformance.fill import filled_layer
 
         rng = np.random.default_rng(5)
         self.q = rng.standard_normal((self.NUM_HEADS, self.HEAD_DIM)).astype(np.float32)
@@ -375,7 +375,7 @@ def _decode(res, backends, sz, prog):
     """Decode and q8 figures, each layer timed cold (:class:`ColdRing`) and
     read against the probe around it (:func:`time_beside_probe`); then one
     decode per backend and of SDPA quiet and beside a busy process."""
-    from kvreg.testing.fill import filled_layer, kv_rows
+    from kvreg_conformance.fill import filled_layer, kv_rows
 
     timeit = _timer(sz)
     nh, nkv, hd = sz.num_heads, sz.num_kv_heads, sz.head_dim
@@ -475,7 +475,7 @@ def quiet_and_busy(fn, timeit) -> dict:
 
 
 def _prefill(res, backends, sz, peak, prog):
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     nh, nkv = sz.prefill_heads
     hd, s0, b = sz.head_dim, sz.prefill_s0, sz.prefill_b
@@ -522,7 +522,7 @@ def _append(res, backends, sz, prog):
 
 def _wire(res, sz, bw, prog):
     from kvreg import LayerKvCache
-    from kvreg.testing.fill import filled_layer
+    from kvreg_conformance.fill import filled_layer
 
     nkv, hd, rows = sz.num_kv_heads, sz.head_dim, sz.wire_rows
     src = filled_layer(rows, nkv, hd, backend="reference")
@@ -645,7 +645,6 @@ def format_report(res: dict) -> str:
                       [[d["payload"], f"{d['blob_bytes'] / 2**20:.1f}",
                         f"{d['export_gbps']:.2f} ({d['export_fraction']:.2f})",
                         f"{d['import_gbps']:.2f} ({d['import_fraction']:.2f})"] for d in res["wire"]])
-    out += ["", "accuracy of the O(1) seal: kvreg bench o1"]
     return "\n".join(out)
 
 
@@ -678,41 +677,17 @@ def plot_decode(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def _o1(args) -> int:
-    from kvreg_tools.o1_report import format_table, o1_accuracy_table
-
-    real = bool(getattr(args, "real", False))
-    rows = o1_accuracy_table(quick=bool(getattr(args, "quick", False)),
-                             data="real" if real else "realistic")
-    if real:
-        from kvreg_tools.real_attention import real_meta
-
-        meta = real_meta()
-        print(f"real attention data: {meta['num_layers']}-layer byte-level decoder, layers "
-              f"{meta['layers']}, {meta['num_heads']} q / {meta['num_kv_heads']} kv heads, "
-              f"hd {meta['head_dim']}, {meta['rows']} rows of held-out text "
-              f"({meta['captured_text']}); held-out {meta['heldout_bits_per_byte']:.2f} bits/byte")
-    print(format_table(rows))
-    if getattr(args, "json", None):
-        with open(args.json, "w") as fh:
-            json.dump({"what": "o1", "data": "real" if real else "realistic", "rows": rows},
-                      fh, indent=1)
-    return 0
-
-
 def main(args) -> int:
-    """``kvreg bench [all|decode|o1] [--backend NAME ...] [--quick] [--real] [--json FILE]
-    [--plot FILE.png]``; ``--real`` (o1 only): the captured real-model data."""
+    """``kvreg bench [all|decode] [--backend NAME ...] [--quick] [--json FILE] [--plot FILE.png]``."""
     what = getattr(args, "what", "all") or "all"
-    if getattr(args, "real", False) and what != "o1":
-        print("kvreg bench: --real applies to `kvreg bench o1` only", file=sys.stderr)
-        return 2
     if getattr(args, "busy", False):
         print("kvreg bench: --busy applies to --model (`kvreg bench decode` always times a decode beside a "
               "busy process)", file=sys.stderr)
         return 2
-    if what == "o1":
-        return _o1(args)
+    if importlib.util.find_spec("kvreg_conformance") is None:
+        print("kvreg bench: needs kvreg-conformance, whose fill helpers build the benchmarked layers "
+              "(pip install 'kvreg-tools[bench]')", file=sys.stderr)
+        return 2
     plot = getattr(args, "plot", None)
     if plot:
         try:

@@ -75,11 +75,9 @@ def register_bench(sub) -> None:
     from kvreg.models import MODELS
 
     bp = sub.add_parser("bench", help="throughput against the machine's limits and peers")
-    bp.add_argument("what", nargs="?", default="all", choices=["all", "decode", "o1"])
+    bp.add_argument("what", nargs="?", default="all", choices=["all", "decode"])
     bp.add_argument("--backend", action="append", default=None)
     bp.add_argument("--quick", action="store_true")
-    bp.add_argument("--real", action="store_true",
-                    help="o1 only: the accuracy table on real captured Q/K/V (kvreg_tools.real_attention)")
     bp.add_argument("--json", default=None, metavar="FILE")
     bp.add_argument("--plot", default=None, metavar="FILE.png")
     mg = bp.add_argument_group("a real model (kvreg_tools.model_bench)")

@@ -28,13 +28,18 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvreg.bounded import BoundedRope
 from kvreg.cache import EvictionPolicy, KvCache
 from kvreg.errors import ConfigError
 from kvreg.modes import KvMode
 from kvreg.registry import get_backend
-from .realistic import rope_rotate_half
 
 __all__ = ["DemoConfig", "TinyGPT", "Session", "run_demo", "main"]
+
+
+def _rope(rope: BoundedRope, x: np.ndarray, positions) -> np.ndarray:
+    """``x [rows, heads, hd]`` rotated with kvreg's RoPE, row ``i`` at ``positions[i]``."""
+    return np.ascontiguousarray(rope.apply(x.swapaxes(0, 1), positions).swapaxes(0, 1))
 
 
 @dataclass(frozen=True)
@@ -89,11 +94,12 @@ class TinyGPT:
         cfg = self.cfg
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b = len(tokens)
+        rope = BoundedRope(theta=cfg.rope_theta)
         x = self.emb[np.asarray(tokens)]
         for li, blk in enumerate(self.blocks):
             h = _rmsnorm(x, blk["g1"])
-            q = rope_rotate_half((h @ blk["wq"]).reshape(b, nh, hd), positions, cfg.rope_theta)
-            k = rope_rotate_half((h @ blk["wk"]).reshape(b, nkv, hd), positions, cfg.rope_theta)
+            q = _rope(rope, (h @ blk["wq"]).reshape(b, nh, hd), positions)
+            k = _rope(rope, (h @ blk["wk"]).reshape(b, nkv, hd), positions)
             v = (h @ blk["wv"]).reshape(b, nkv, hd)
             att = session.attend(li, q, k, v, prefill=prefill)
             x = x + att.reshape(b, nh * hd) @ blk["wo"]

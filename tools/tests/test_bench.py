@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvreg import LayerKvCache
+from kvreg_conformance.fill import filled_layer, kv_rows
 from kvreg_tools import bench
-from kvreg.testing.fill import filled_layer, kv_rows
 
 
 @pytest.mark.parametrize("mode", ["f32", "q8", "q8k", "q8v"])
@@ -113,6 +113,16 @@ def test_small_model_call_appends_and_attends_each_layer_in_turn(call):
 
 def test_last_level_cache_is_a_positive_size():
     assert bench.last_level_cache_bytes() >= 1 << 10
+
+
+def test_bench_without_kvreg_conformance_says_how_to_install_it(capsys, monkeypatch):
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "kvreg_conformance" else real(name, *a))
+    args = argparse.Namespace(what="all", backend=["reference"], quick=True, json=None, plot=None,
+                              sizes=bench.TINY, progress=False)
+    assert bench.main(args) == 2
+    assert "needs kvreg-conformance" in capsys.readouterr().err
 
 
 def test_bench_tiny_run_writes_every_figure(tmp_path, capsys):

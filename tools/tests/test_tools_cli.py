@@ -1,5 +1,5 @@
 """kvreg-tools' commands reach the kvreg command through the ``kvreg.commands``
-entry points, and its wheel carries the captured Q/K/V data."""
+entry points, and its wheel carries those commands and no research code."""
 
 from __future__ import annotations
 
@@ -16,13 +16,15 @@ from kvreg import cli
 
 TOOLS = Path(__file__).resolve().parents[1]
 COMMANDS = {"generate", "eval", "bench", "demo"}
+#: The research scripts (research/): nothing shipped carries them.
+RESEARCH = {"kv_quant_study", "o1_report", "q8_report", "realistic", "real_attention", "real_attention_capture"}
 
 
 def test_entry_points_declare_every_tool_command():
     eps = {ep.name: ep.value for ep in cli._command_entry_points()}
     assert COMMANDS <= set(eps), f"kvreg-tools is not installed (pip install -e tools): {eps}"
     assert all(eps[name].startswith("kvreg_tools.cli:") for name in COMMANDS)
-    assert COMMANDS == set(cli.TOOL_COMMANDS)
+    assert COMMANDS == {name for name, (dist, _, _) in cli.PLUGIN_COMMANDS.items() if dist == "kvreg-tools"}
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -35,15 +37,15 @@ def test_installed_command_parses_its_own_help(name, capsys):
 
 
 def test_bench_flags_are_kept():
-    args = cli.build_parser().parse_args(["bench", "o1", "--real", "--quick", "--backend", "reference",
+    args = cli.build_parser().parse_args(["bench", "decode", "--quick", "--backend", "reference",
                                           "--json", "x.json", "--plot", "x.png"])
-    assert (args.what, args.real, args.quick, args.backend, args.json, args.plot) == \
-        ("o1", True, True, ["reference"], "x.json", "x.png")
-    assert not getattr(args, "_tool_missing", False)
+    assert (args.what, args.quick, args.backend, args.json, args.plot) == \
+        ("decode", True, ["reference"], "x.json", "x.png")
+    assert not getattr(args, "_plugin_missing", False)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("setuptools") is None, reason="needs setuptools to build")
-def test_tools_wheel_carries_the_data_file(tmp_path):
+def test_tools_wheel_carries_the_commands_and_no_research_code(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     shutil.copy(TOOLS / "pyproject.toml", src / "pyproject.toml")
@@ -57,5 +59,7 @@ def test_tools_wheel_carries_the_data_file(tmp_path):
     with zipfile.ZipFile(whl) as zf:
         names = set(zf.namelist())
         eps = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "kvreg_tools/data/real_qkv.npz" in names and "kvreg_tools/bench.py" in names
+    assert {f"kvreg_tools/{m}.py" for m in ("cli", "bench", "evaluation", "generate", "demo")} <= names
     assert "[kvreg.commands]" in eps
+    research = [n for n in names if Path(n).stem in RESEARCH or Path(n).suffix == ".npz"]
+    assert not research, f"research code or data in the kvreg-tools wheel: {research}"

@@ -6,9 +6,9 @@ import pytest
 
 from kvreg.bounded import BoundedRope, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
-from kvreg.testing.bounded_oracle import bounded_attend_oracle
+from kvreg_conformance.oracle import bounded_attend_oracle
 from kvreg_numba.backend import NumbaBackend
-from kvreg.conformance.tolerances import tolerance
+from kvreg_conformance.tolerances import tolerance
 
 RTOL, ATOL, _ = tolerance("bounded_attend")
 

@@ -7,9 +7,8 @@ import pytest
 
 import kvreg
 
+from kvreg_conformance.oracle import attend_rows_oracle
 from kvreg_numba import chunk
-
-from naive import attend_oracle
 
 
 @pytest.mark.parametrize("s0,b,window", [(0, 11, None), (23, 19, None), (23, 19, 5), (23, 19, 30), (40, 7, 1)])
@@ -27,8 +26,8 @@ def test_chunk_matches_per_row_oracle(small_blocks, s0, b, window):
         lo = max(0, s0 + i + 1 - window) if window else 0
         for g in range(nkv):
             hs = slice(g * hpk, (g + 1) * hpk)
-            o, p = attend_oracle(q[i, hs], k[g].astype(np.float64), v[g].astype(np.float64),
-                                 scale=0.3, first=lo, n=s0 + i + 1)
+            o, p = attend_rows_oracle(q[i, hs], k[g].astype(np.float64), v[g].astype(np.float64),
+                                      scale=0.3, first=lo, n=s0 + i + 1)
             np.testing.assert_allclose(out[i, hs], o, rtol=1e-5, atol=2e-6)
             imp_ref[lo:s0 + i + 1] += p.sum(axis=0)
     np.testing.assert_allclose(imp, imp_ref, rtol=1e-5, atol=2e-6)
@@ -75,8 +74,8 @@ def test_the_tiled_kernel_matches_the_oracle(hd, nkv, hpk, s0, b, window):
         lo = max(0, s0 + i + 1 - window) if window else 0
         for g in range(nkv):
             hs = slice(g * hpk, (g + 1) * hpk)
-            o, _ = attend_oracle(q[i, hs], k[g].astype(np.float64), v[g].astype(np.float64),
-                                 scale=hd ** -0.5, first=lo, n=s0 + i + 1)
+            o, _ = attend_rows_oracle(q[i, hs], k[g].astype(np.float64), v[g].astype(np.float64),
+                                      scale=hd ** -0.5, first=lo, n=s0 + i + 1)
             np.testing.assert_allclose(out[i, hs], o, rtol=2e-5, atol=2e-6)
 
 

@@ -6,10 +6,9 @@ size, empty heads."""
 import numpy as np
 import pytest
 
+from kvreg_conformance.oracle import attend_rows_oracle, dequantize64
+from kvreg_conformance.tolerances import tolerance
 from kvreg_numba import dispatch, quant
-
-from naive import attend_oracle, dequant_k, dequant_v
-from kvreg.conformance.tolerances import tolerance
 
 MODES = ["f32", "q8", "q8k", "q8v"]
 RTOL, ATOL, _ = tolerance("decode_small")
@@ -27,14 +26,16 @@ def make_layer(mode, nkv=2, hd=40, cap=70, lens=(53, 29), seed=0):
     if mode in ("q8", "q8k"):
         kq, ks = quant.quantize_rows(kf.reshape(-1, hd), np.empty((0, hd), np.float32), 32)
         st.update(kq=kq.reshape(nkv, cap, hd), ks=ks.reshape(nkv, cap, -1), kcol=kcol, kcol_set=col_set)
-        k64 = np.stack([dequant_k(st["kq"][g], st["ks"][g], kcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
+        k64 = np.stack([dequantize64(st["kq"][g], st["ks"][g], 32, kcol[g] if col_set[g] else None)
+                        for g in range(nkv)])
     else:
         st["k"] = kf
         k64 = kf.astype(np.float64)
     if mode in ("q8", "q8v"):
         vq, vs = quant.quantize_rows(vf.reshape(-1, hd), np.empty((0, hd), np.float32), hd)
         st.update(vq=vq.reshape(nkv, cap, hd), vs=vs.reshape(nkv, cap), vcol=vcol, vcol_set=col_set)
-        v64 = np.stack([dequant_v(st["vq"][g], st["vs"][g], vcol[g] if col_set[g] else np.ones(hd)) for g in range(nkv)])
+        v64 = np.stack([dequantize64(st["vq"][g], st["vs"][g], hd, vcol[g] if col_set[g] else None)
+                        for g in range(nkv)])
     else:
         st["v"] = vf
         v64 = vf.astype(np.float64)
@@ -62,7 +63,7 @@ def test_the_unrolled_head_dims_answer_the_oracle_and_each_head_alone(small_bloc
     q = qs(4, hd)
     imp = np.zeros(53, np.float32)
     out = dispatch.attend_group(q, 0, lens, scale=0.1, imp=imp, **st)
-    o64, p64 = attend_oracle(q, k64[0], v64[0], scale=0.1, first=0, n=53, softcap=0.0, sinks=None)
+    o64, p64 = attend_rows_oracle(q, k64[0], v64[0], scale=0.1, first=0, n=53, softcap=0.0, sinks=None)
     np.testing.assert_allclose(out, o64, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(imp, p64.sum(axis=0), rtol=RTOL, atol=ATOL)
     for h in range(4):

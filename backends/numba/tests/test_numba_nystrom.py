@@ -6,7 +6,7 @@ import pytest
 
 from kvreg import nystrom as ref
 from kvreg.nystrom import FarField, NystromState, landmark_inverse, landmarks
-from kvreg.testing.nystrom_oracle import nystrom_oracle
+from kvreg_conformance.oracle import nystrom_oracle
 from kvreg_numba import nystrom as nb
 from kvreg_numba.backend import NumbaBackend
 

@@ -3,10 +3,9 @@
 import numpy as np
 import pytest
 
+from kvreg_conformance.oracle import quantize_oracle
 from kvreg_numba import blocks, sweeps
 from kvreg_numba import quant as numba_quant
-
-from naive import quantize_oracle
 
 NOCOL = np.empty((0, 0), np.float32)
 

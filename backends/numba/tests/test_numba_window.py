@@ -16,7 +16,7 @@ import kvreg
 from kvreg import threads
 from kvreg.layer import LayerKvCache
 from kvreg.reference import ReferenceBackend
-from kvreg.testing.fill import poison_window_slots
+from kvreg_conformance.fill import poison_window_slots
 from kvreg_numba import dispatch
 from kvreg_numba.backend import NumbaBackend
 

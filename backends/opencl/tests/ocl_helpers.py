@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvreg.layer import LayerKvCache
-from kvreg.conformance.tolerances import tolerance
+from kvreg_conformance.tolerances import tolerance
 
 
 def quantize_ref(x, col, group):
@@ -111,7 +111,7 @@ class Rows:
 
 def scramble_int8_copies(st):
     """Garbage in the int8 copies of the exact rows (written into the real
-    storage's arrays behind its back, like kvreg.testing.fill's
+    storage's arrays behind its back, like kvreg_conformance.fill's
     poison_window_slots; call it before any mirror syncs): a kernel that
     reads them instead of xk/xv gives a different answer, the oracle (which
     reads the view's attended rows) does not."""

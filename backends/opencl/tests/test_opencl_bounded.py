@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
-from kvreg.testing.bounded_oracle import bounded_attend_oracle as _oracle
-from kvreg.conformance.tolerances import tolerance
+from kvreg_conformance.oracle import bounded_attend_oracle as _oracle
+from kvreg_conformance.tolerances import tolerance
 
 RTOL, ATOL, _ = tolerance("bounded_attend")
 

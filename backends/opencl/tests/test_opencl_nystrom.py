@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 from kvreg.nystrom import NystromState, nystrom_step
-from kvreg.testing.nystrom_oracle import nystrom_oracle
-from kvreg.conformance.tolerances import tolerance
+from kvreg_conformance.oracle import nystrom_oracle
+from kvreg_conformance.tolerances import tolerance
 
 RTOL, ATOL, _ = tolerance("nystrom_step")
 

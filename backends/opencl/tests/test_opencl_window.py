@@ -16,7 +16,7 @@ import pytest
 
 from kvreg.layer import LayerKvCache
 from kvreg.reference import ReferenceBackend
-from kvreg.testing.fill import poison_window_slots
+from kvreg_conformance.fill import poison_window_slots
 from kvreg_opencl import kernels
 from kvreg_opencl.mirror import DeviceMirror
 

@@ -1,5 +1,5 @@
 """A deliberately broken toy: the negative control of kvreg's
-tests/test_installed_conformance.py (the suite must fail it, naming
+conformance/tests/test_installed_conformance.py (the suite must fail it, naming
 ``attend_layer``). Not an entry point: ``pytest -p kvreg_toy.broken``
 registers it for that process only.
 """
