@@ -1,24 +1,32 @@
 """The kernel boundary: what a backend computes, on what it reads.
 
 A backend is a subclass of :class:`Backend` registered through the ``kvreg``
-pluggy hook (:mod:`kvreg.hookspecs`). Every kernel below is abstract here,
-with its full signature and contract; :class:`kvreg.reference.ReferenceBackend`
-implements all of them in NumPy, and a backend usually subclasses the
-reference and overrides what it accelerates (``docs/writing-a-backend.md``).
+pluggy hook (:mod:`kvreg.hookspecs`). Its **core kernels** are abstract
+here, each with its full signature and contract: the attends
+(``attend_group``, ``attend_layer``, ``attend_batch``, ``attend_chunk``) and
+the exact class (``quantize_rows``, ``freeze_field``, ``gather_rows``,
+``rotate_rows``). Its **optional capabilities** (:data:`CAPABILITIES`: the
+bounded ring, the Nyström seal, the tiered seal's step, the fused decode)
+are methods whose bodies here are the reference's; a backend declares in
+:attr:`Backend.provides` those it accelerates and overrides their kernels.
+:class:`kvreg.reference.ReferenceBackend` implements every core kernel in
+NumPy, and a backend usually subclasses it and overrides what it
+accelerates (``docs/writing-a-backend.md``).
 
 One argument style: the data a kernel reads come first, positionally
 (query arrays, a read-only view of the layer's rows, far-field state), every
 parameter after them is keyword-only. Kernels never write what they read:
-views hold read-only arrays, far-field state is returned, not mutated; the
-one array a kernel writes is the ``imp`` accumulator it is handed.
+views hold read-only arrays, far-field state is returned, not mutated; a
+kernel writes only the outputs it is handed (the ``imp`` accumulator, a
+fused decode's :class:`~kvreg.views.DecodeSlot`).
 
-Views (:class:`KvView`, :class:`RingView`) are frozen snapshots of a layer's
-storage or bounded ring at one ``version``, which moves on every mutation of
-what they describe, so a device mirror keyed on ``version`` alone is never
-stale. Counts (lengths, window bounds, flags) are copies taken at that
-version; row arrays are read-only views of the owner's (rows a later
-mutation rewrites are rows the view's counts no longer vouch for, and a
-view is meant for the call it is handed to).
+Views (:class:`~kvreg.views.KvView`, :class:`~kvreg.views.RingView`) are
+frozen snapshots of a layer's storage or bounded ring at one ``version``,
+which moves on every mutation of what they describe, so a device mirror
+keyed on ``version`` alone is never stale. A KvView's rows come in groups,
+one per kind of storage (float rows, int8 rows, exact rows, the float16
+window, q4's tiers). Counts (lengths, window bounds, flags) are copies taken
+at that version; row arrays are read-only views of the owner's.
 
 Numerics contract (the conformance suite checks it):
 
@@ -46,7 +54,7 @@ import numpy as np
 
 from . import bounded, nystrom, tiered_seal
 from .modes import KvMode
-from .views import KvView, RingView
+from .views import DecodeSlot, KvView, RingView
 
 
 #: The kernels every backend implements (abstract on :class:`Backend`).
@@ -312,7 +320,7 @@ class Backend(abc.ABC):
         layer got them. First check that state (every head holds the same
         count ``n >= exact_cap``, and ``b8`` is ``n - w`` on every head, ``w``
         the window's rows), then write what
-        :meth:`kvreg.storage.LayerStorage.append_window_row` writes, bit for
+        :meth:`kvreg.storage.Int8Storage.append_window_row` writes, bit for
         bit: each quantized side (``thk``/``thv`` float16 ``[nkv, w, hd]``,
         None when the side is float32 ``kf``/``vf``) refuses a value beyond
         ±1e18 or NaN, is rotated when ``rot_*`` (:meth:`rotate_rows`), its
@@ -324,19 +332,20 @@ class Backend(abc.ABC):
         to leave the row to the layer's general path (this default)."""
         return False
 
-    def append_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, st, *, imp: np.ndarray, seq: int,
+    def append_attend_layer(self, k: np.ndarray, v: np.ndarray, q: np.ndarray, slot: DecodeSlot, *,
+                            imp: np.ndarray, seq: int,
                             owner, scale: float, window: int | None = None, softcap: float = 0.0,
                             sinks: np.ndarray | None = None, importance: bool = False,
                             out: np.ndarray | None = None) -> np.ndarray | None:
-        """``fused_decode``: a decode step in one call. ``st`` is an F32, f16 or bf16
-        storage, or a q8 (q8k, q8v) one (:class:`kvreg.storage.LayerStorage`,
-        read as a view would be), with a free slot for the row
-        (``imp``/``seq``: its importance slot); ``owner`` is its rows'
-        identity, whose ``row_memo`` is the backend's (as ``memo`` is for
-        views).
+        """``fused_decode``: a decode step in one call. ``slot``
+        (:class:`~kvreg.views.DecodeSlot`) is an F32, f16, bf16 or q8 (q8k,
+        q8v) storage's rows, writable, with a free slot for the row; the
+        step writes into it and ``imp[seq]`` (its importance slot) and
+        nothing else; ``owner`` is the rows' identity, whose ``row_memo`` is
+        the backend's (as ``memo`` is for views).
 
         F32, f16, bf16: check that every head holds the same count ``n``,
-        write what :meth:`kvreg.storage.LayerStorage.append_row` writes
+        write what :meth:`kvreg.storage.DenseStorage.append_row` writes
         (``k``/``v`` ``[nkv, hd]`` float32, rounded as
         :func:`kvreg.quant.to_half` rounds for a 2-byte storage, to slot
         ``n`` of every head, ``lens`` one up, ``imp[seq] = 0``); a finite
@@ -351,18 +360,19 @@ class Backend(abc.ABC):
         ``attend_layer`` (this default)."""
         return None
 
-    def prepare_append_attend(self, st, *, owner, shape: tuple[int, int], scale: float, window: int | None = None,
+    def prepare_append_attend(self, slot: DecodeSlot, *, owner, shape: tuple[int, int], scale: float,
+                              window: int | None = None,
                               softcap: float = 0.0, sinks: np.ndarray | None = None, importance: bool = False,
                               out: np.ndarray | None = None):
         """``fused_decode``: :meth:`append_attend_layer` prepared once for a run of
         decode steps (:class:`kvreg.DecodeStep`): a callable ``step(k, v, q,
-        imp, seq)`` that does what ``append_attend_layer(k, v, q, st,
+        imp, seq)`` that does what ``append_attend_layer(k, v, q, slot,
         imp=imp, seq=seq, ...)`` with these arguments does (queries of
         ``shape`` ``(nh, hd)``; the answer in ``out``, allocated here when
         None), or None for no prepared step. The caller calls it only while
-        ``st`` has changed through the step's own calls since it was made (it
-        checks the storage's version): a step may keep what it read from
-        ``st``, the row count included. This default binds
+        the storage has changed through the step's own calls since it was
+        made (it checks the storage's version): a step may keep what it read
+        from ``slot``, the row count included. This default binds
         :meth:`append_attend_layer`'s arguments (None when that hook is the
         base class's)."""
         if type(self).append_attend_layer is Backend.append_attend_layer:
@@ -371,7 +381,7 @@ class Backend(abc.ABC):
             out = np.empty(shape, np.float32)
 
         def step(k, v, q, imp, seq):
-            return self.append_attend_layer(k, v, q, st, imp=imp, seq=seq, owner=owner, scale=scale, window=window,
+            return self.append_attend_layer(k, v, q, slot, imp=imp, seq=seq, owner=owner, scale=scale, window=window,
                                             softcap=softcap, sinks=sinks, importance=importance, out=out)
         return step
 

@@ -28,49 +28,56 @@ def key_scores(kv, g: int, q: np.ndarray, first: int, n: int) -> np.ndarray:
     nh = q.shape[0]
     span = n - first
     out = np.empty((nh, span), dtype=np.float32)
-    if kv.mode.tiered:
+    if kv.tiers is not None:
         rows = kv.attended_rows("k", g, first, n)
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
-    if kv.k is not None:
-        rows = quant.from_half(kv.k[g, first:n])
+    if kv.dense.k is not None:
+        rows = quant.from_half(kv.dense.k[g, first:n])
         for h in range(nh):
             out[h] = rows @ q[h]
         return out
     # q8 K: Σ_groups s_k · ⟨q ⊙ col_k, k_q⟩, groups summed in order; the
     # exact rows (field space) are plain dots with q ⊙ col_k.
     # The float16 window rows [w0, n) are plain dots too (widened).
-    hd = kv.head_dim
-    x1 = min(max(int(kv.xlen[g]), first), n)
+    hd, q8 = kv.head_dim, kv.q8
+    x1 = min(max(_exact_rows(kv, g), first), n)
     w0 = max(_window_start(kv, g, n), x1)
-    kq = kv.kq[g, x1:w0].astype(np.float32)
-    ks = kv.ks[g, x1:w0]
-    qc = q * kv.kcol[g] if kv.kcol_set[g] else q
-    win = _window_rows(kv.thk, kv, g, w0, n)
+    kq = q8.kq[g, x1:w0].astype(np.float32)
+    ks = q8.ks[g, x1:w0]
+    qc = q * q8.kcol[g] if q8.kcol_set[g] else q
+    win = _window_rows("thk", kv, g, w0, n)
     for h in range(nh):
         acc = np.zeros(w0 - x1, dtype=np.float32)
-        for j in range(kv.ngk):
+        for j in range(q8.ngk):
             j0, j1 = j * KV_K_GROUP, min((j + 1) * KV_K_GROUP, hd)
             acc += (kq[:, j0:j1] @ qc[h, j0:j1]) * ks[:, j]
         out[h, x1 - first:w0 - first] = acc
         if win is not None:
             out[h, w0 - first:] = win @ qc[h]
         for r in range(first, x1):
-            out[h, r - first] = kv.xk[g, r] @ qc[h]
+            out[h, r - first] = kv.exact.xk[g, r] @ qc[h]
     return out
+
+
+def _exact_rows(kv, g: int) -> int:
+    """Leading rows of head ``g`` read from the exact rows (0: none)."""
+    return int(kv.exact.xlen[g]) if kv.exact is not None else 0
 
 
 def _window_start(kv, g: int, n: int) -> int:
     """First row of head ``g``'s float16 window among ``[0, n)`` (``n``: none)."""
-    return min(int(kv.b8[g]), n) if kv.window else n
+    return min(int(kv.window.b8[g]), n) if kv.window is not None else n
 
 
-def _window_rows(th, kv, g: int, w0: int, n: int):
-    """Rows ``[w0, n)`` of a float16 window, widened (None when empty)."""
+def _window_rows(side: str, kv, g: int, w0: int, n: int):
+    """Rows ``[w0, n)`` of a side's float16 window (``"thk"``/``"thv"``),
+    widened (None when empty or the side has none)."""
+    th = None if kv.window is None else getattr(kv.window, side)
     if th is None or n <= w0:
         return None
-    o = w0 - int(kv.b8[g])
+    o = w0 - int(kv.window.b8[g])
     return th[g, o:o + n - w0].astype(np.float32)
 
 
@@ -104,19 +111,20 @@ def value_pass(kv, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
     nh = p.shape[0]
     hd = kv.head_dim
     out = np.empty((nh, hd), dtype=np.float32)
-    if kv.v is not None or kv.mode.tiered:
-        rows = kv.attended_rows("v", g, first, n) if kv.mode.tiered else quant.from_half(kv.v[g, first:n])
+    if kv.dense.v is not None or kv.tiers is not None:
+        rows = kv.attended_rows("v", g, first, n) if kv.tiers is not None else quant.from_half(kv.dense.v[g, first:n])
         for h in range(nh):
             w = np.where(np.abs(p[h]) < _SKIP, np.float32(0), p[h])
             out[h] = w @ rows
         return out
     # q8 V: the int8 rows with their per-row scale folded into the weight,
     # plus the exact rows (field space); the field multiplies the sum.
-    x1 = min(max(int(kv.xlen[g]), first), n)
+    q8 = kv.q8
+    x1 = min(max(_exact_rows(kv, g), first), n)
     w0 = max(_window_start(kv, g, n), x1)
-    vq = kv.vq[g, x1:w0].astype(np.float32)
-    vs = kv.vs[g, x1:w0]
-    win = _window_rows(kv.thv, kv, g, w0, n)
+    vq = q8.vq[g, x1:w0].astype(np.float32)
+    vs = q8.vs[g, x1:w0]
+    win = _window_rows("thv", kv, g, w0, n)
     for h in range(nh):
         w = p[h, x1 - first:w0 - first] * vs
         w = np.where(np.abs(w) < _SKIP, np.float32(0), w)
@@ -126,9 +134,9 @@ def value_pass(kv, g: int, p: np.ndarray, first: int, n: int) -> np.ndarray:
             out[h] = ww @ win + out[h]
         if x1 > first:
             wx = np.where(np.abs(p[h, : x1 - first]) < _SKIP, np.float32(0), p[h, : x1 - first])
-            out[h] = wx @ kv.xv[g, first:x1] + out[h]
-    if kv.vcol_set[g]:
-        out *= kv.vcol[g]
+            out[h] = wx @ kv.exact.xv[g, first:x1] + out[h]
+    if q8.vcol_set[g]:
+        out *= q8.vcol[g]
     return out
 
 
@@ -217,8 +225,8 @@ class ReferenceBackend(Backend):
         mask = (cols[None, :] >= lo[:, None]) & (cols[None, :] < allowed[:, None])
         out = np.empty((b, nh, hd), dtype=np.float32)
         for g in range(nkv):
-            kmat = quant.from_half(kv.k[g, lo0:n])
-            vmat = quant.from_half(kv.v[g, lo0:n])
+            kmat = quant.from_half(kv.dense.k[g, lo0:n])
+            vmat = quant.from_half(kv.dense.v[g, lo0:n])
             qg = q[:, g * hpk:(g + 1) * hpk, :]               # [b, hpk, hd]
             s = np.einsum("bhd,kd->hbk", qg, kmat, optimize=True) * np.float32(scale)
             s = np.where(mask[None], s, -np.inf)

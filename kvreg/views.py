@@ -12,6 +12,7 @@ view is meant for the call it is handed to).
 from __future__ import annotations
 
 from collections import namedtuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,39 +31,95 @@ def readonly(a: np.ndarray | None) -> np.ndarray | None:
     return v
 
 
-#: The row and field arrays of a :class:`KvView` (None where the mode has
-#: none): read-only views of the storage's own.
-KV_ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4",
-             "v4s", "t8k", "t8ks", "t8v", "t8vs")
-#: The per-head counts and flags of a :class:`KvView`: copies taken at its version.
-KV_COUNTS = ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set")
+class DenseRows(NamedTuple):
+    """Float rows: ``k``/``v [nkv, cap, hd]`` in ``mode.float_dtype``
+    (float32, float16, or bfloat16 as uint16 bits); None for a side the mode
+    quantizes."""
+
+    k: np.ndarray | None
+    v: np.ndarray | None
+
+
+class Q8Rows(NamedTuple):
+    """The int8 side(s) of a q8 mode: ``kq [nkv, cap, hd]`` int8 with ``ks
+    [nkv, cap, ngk]`` float32 scales (``KV_K_GROUP`` channels each), ``vq``
+    with ``vs [nkv, cap]`` (None for a float side); the seed's 2f field
+    ``kcol``/``vcol [nkv, hd]`` applies to head ``h`` where ``kcol_set[h]``
+    (``vcol_set[h]``)."""
+
+    kq: np.ndarray | None
+    ks: np.ndarray | None
+    vq: np.ndarray | None
+    vs: np.ndarray | None
+    kcol: np.ndarray
+    vcol: np.ndarray
+    kcol_set: np.ndarray
+    vcol_set: np.ndarray
+    ngk: int
+
+
+class ExactRows(NamedTuple):
+    """Each head's first rows also held in float32 (q8, q4): ``xk``/``xv
+    [nkv, cap, hd]`` in field space (None for a float side); rows ``[0,
+    xlen[h])`` of head ``h`` are read there."""
+
+    xk: np.ndarray | None
+    xv: np.ndarray | None
+    xlen: np.ndarray
+    cap: int
+
+
+class WindowRows(NamedTuple):
+    """The float16 window of a quantized side (q8, q8k, q8v, q4): rows
+    ``[b8[h], lens[h])`` of head ``h`` are ``thk``/``thv [nkv, size, hd]``
+    (oldest first; None for a float side), not the integer blocks."""
+
+    thk: np.ndarray | None
+    thv: np.ndarray | None
+    b8: np.ndarray
+    size: int
+
+
+class TierRows(NamedTuple):
+    """q4's older tiers: int4 ``k4``/``v4 [nkv, cap, ceil(hd/2)]`` with
+    float16 ``k4s``/``v4s`` below ``b4[h]``; the int8 tier ``t8k``/``t8v
+    [nkv, rows, hd]`` (``t8ks``/``t8vs``) over ``[b4[h], b8[h])``, oldest
+    first; the window above."""
+
+    k4: np.ndarray
+    k4s: np.ndarray
+    v4: np.ndarray
+    v4s: np.ndarray
+    b4: np.ndarray
+    t8k: np.ndarray
+    t8ks: np.ndarray
+    t8v: np.ndarray
+    t8vs: np.ndarray
+
+
+#: Where each array a storage holds sits in a :class:`KvView`: ``name:
+#: (group, field)``.
+PLACES = {name: (group, name) for group, cls in (("dense", DenseRows), ("q8", Q8Rows), ("window", WindowRows),
+                                                  ("tiers", TierRows)) for name in cls._fields if name != "ngk"}
+PLACES.update(xk=("exact", "xk"), xv=("exact", "xv"), xlen=("exact", "xlen"))
+del PLACES["size"]
+
 #: Every field of a :class:`KvView`, in order.
-KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "ngk", "cap", "exact_cap", "window", "rot_k",
-             "rot_v") + KV_ARRAYS + KV_COUNTS + ("version", "reset_version", "log_start", "floors")
+KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "cap", "lens", "rot_k", "rot_v", "dense", "q8", "exact",
+             "window", "tiers", "version", "reset_version", "log_start", "floors")
 
 
 class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
     """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
 
-    Head ``h`` holds ``lens[h]`` rows. Which blocks are present depends on
-    ``mode`` (absent ones are None):
-
-    * unquantized side: ``k``/``v [nkv, cap, hd]`` in ``mode.float_dtype``
-      (float32, float16, or bfloat16 as uint16 bits);
-    * q8 side: ``kq [nkv, cap, hd]`` int8 with ``ks [nkv, cap, ngk]`` float32
-      scales (``KV_K_GROUP`` channels each), ``vq`` with ``vs [nkv, cap]``;
-      a 2f field ``kcol``/``vcol [nkv, hd]`` applies where ``kcol_set[h]``;
-    * exact rows: ``xk``/``xv [nkv, exact_cap, hd]`` float32 in field space,
-      rows ``[0, xlen[h])`` of head ``h`` are read there;
-    * float16 window (``window > 0``): rows ``[b8[h], lens[h])`` of a
-      quantized side are ``thk``/``thv [nkv, window, hd]`` (oldest first),
-      not the integer blocks;
-    * q4 (``mode.tiered``): int4 ``k4``/``v4`` with ``k4s``/``v4s`` below
-      ``b4[h]``, the int8 tier ``t8k``/``t8v`` (``t8ks``/``t8vs``) over
-      ``[b4, b8)``, the window above. Read rows with :meth:`attended_rows`.
-
-    Rows of a side with ``rot_k``/``rot_v`` are in the Walsh–Hadamard
-    rotated basis (the layer rotates queries and un-rotates outputs).
+    Head ``h`` holds ``lens[h]`` rows. The rows come in groups, one per kind
+    of storage, each None where the mode has none: ``dense``
+    (:class:`DenseRows`: the float sides; always there), ``q8``
+    (:class:`Q8Rows`), ``exact`` (:class:`ExactRows`), ``window``
+    (:class:`WindowRows`) and ``tiers`` (:class:`TierRows`, q4). Read a
+    head's rows as the kernels answer with them with :meth:`attended_rows`.
+    Rows of a side with ``rot_k``/``rot_v`` are in the Walsh-Hadamard rotated
+    basis (the layer rotates queries and un-rotates outputs).
     """
 
     # A named tuple: immutable, and built in about a microsecond per version
@@ -72,6 +129,14 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
     # rewrite of every row, ``log_start`` the version up to which truncation
     # records were dropped, ``floors`` ``(version, lens)`` per truncation.
     __slots__ = ()
+
+    def array(self, name: str) -> np.ndarray | None:
+        """The array a storage calls ``name`` (``"kq"``, ``"xlen"``, ``"b8"``,
+        ...: :data:`PLACES`), read from its group; None where the mode has
+        none. For code that walks a view's arrays by name (a device mirror)."""
+        group, field = PLACES[name]
+        rows = getattr(self, group)
+        return None if rows is None else getattr(rows, field)
 
     def unchanged_rows(self, since: int | None) -> np.ndarray | None:
         """Per head, how many leading rows are the same bits as at version
@@ -91,53 +156,64 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
 
     def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
         """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them,
-        float32 ``[n-lo, hd]``: unquantized rows widened (f32: a view), q8
+        float32 ``[n-lo, hd]``: float rows widened (f32: a view), q8
         ``q·s·col`` with the window rows widened and the exact rows ``x·col``,
         q4 each row from its tier. ``side`` is ``"k"`` or ``"v"``."""
-        if self.mode.tiered:
+        if self.tiers is not None:
             return self._tiered_rows(side, h, lo, n)
         quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
         if not quantized:
-            return from_half((self.k if side == "k" else self.v)[h, lo:n])
+            return from_half(getattr(self.dense, side)[h, lo:n])
+        q8 = self.q8
         if side == "k":
-            rows = dequantize_rows(self.kq[h, lo:n], self.ks[h, lo:n], KV_K_GROUP)
+            rows = dequantize_rows(q8.kq[h, lo:n], q8.ks[h, lo:n], KV_K_GROUP)
         else:
-            rows = dequantize_rows(self.vq[h, lo:n], self.vs[h, lo:n, None], self.head_dim)
-        if self.window:
-            b8 = int(self.b8[h])
+            rows = dequantize_rows(q8.vq[h, lo:n], q8.vs[h, lo:n, None], self.head_dim)
+        w = self.window
+        if w is not None:
+            b8 = int(w.b8[h])
             w0 = max(lo, b8)
             if n > w0:
-                th = self.thk if side == "k" else self.thv
-                rows[w0 - lo:] = th[h, w0 - b8:n - b8]
-        x = self.xk if side == "k" else self.xv
-        xl = int(self.xlen[h])
-        if lo < xl:
-            rows[: xl - lo] = x[h, lo:xl]
-        col, col_set = (self.kcol, self.kcol_set) if side == "k" else (self.vcol, self.vcol_set)
+                rows[w0 - lo:] = getattr(w, "th" + side)[h, w0 - b8:n - b8]
+        x = self.exact
+        if x is not None:
+            xl = int(x.xlen[h])
+            if lo < xl:
+                rows[: xl - lo] = getattr(x, "x" + side)[h, lo:xl]
+        col, col_set = (q8.kcol, q8.kcol_set) if side == "k" else (q8.vcol, q8.vcol_set)
         return rows * col[h] if col_set[h] else rows
 
     def _tiered_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
-        hd = self.head_dim
-        b4, b8 = int(self.b4[h]), int(self.b8[h])
+        hd, t, w, x = self.head_dim, self.tiers, self.window, self.exact
+        b4, b8 = int(t.b4[h]), int(w.b8[h])
         out = np.empty((max(n - lo, 0), hd), np.float32)
         z = min(b4, n)
         if z > lo:
-            codes = unpack_int4((self.k4 if side == "k" else self.v4)[h, lo:z], hd)
-            scales = (self.k4s if side == "k" else self.v4s)[h, lo:z]
+            codes = unpack_int4((t.k4 if side == "k" else t.v4)[h, lo:z], hd)
+            scales = (t.k4s if side == "k" else t.v4s)[h, lo:z]
             out[: z - lo] = dequantize_half_scaled(codes, scales, Q4_K_GROUP if side == "k" else Q4_V_GROUP)
         a0, z = max(lo, b4), min(b8, n)
         if z > a0:
-            t8, t8s = (self.t8k, self.t8ks) if side == "k" else (self.t8v, self.t8vs)
+            t8, t8s = (t.t8k, t.t8ks) if side == "k" else (t.t8v, t.t8vs)
             o = a0 - b4
             out[a0 - lo: z - lo] = dequantize_half_scaled(t8[h, o:o + z - a0], t8s[h, o:o + z - a0], Q4_INT8_GROUP)
         a0 = max(lo, b8)
         if n > a0:
-            th = self.thk if side == "k" else self.thv
-            out[a0 - lo:] = th[h, a0 - b8:n - b8].astype(np.float32)
-        xl = min(int(self.xlen[h]), n)
+            out[a0 - lo:] = getattr(w, "th" + side)[h, a0 - b8:n - b8].astype(np.float32)
+        xl = min(int(x.xlen[h]), n)
         if lo < xl:
-            out[: xl - lo] = (self.xk if side == "k" else self.xv)[h, lo:xl]
+            out[: xl - lo] = getattr(x, "x" + side)[h, lo:xl]
         return out
+
+
+class DecodeSlot(KvView):
+    """What a fused decode step writes (:meth:`kvreg.plugin.Backend.append_attend_layer`):
+    a :class:`KvView`'s fields, but its arrays are the storage's own,
+    writable, and its counts (``lens``, ``window.b8``) live, so the step
+    stores its row and counts it where the storage reads them. A step writes
+    nothing else of the storage."""
+
+    __slots__ = ()
 
 
 class RingView(namedtuple("_RingViewFields", ("k", "v", "seen", "sink_k", "sink_v", "group_windows", "rope",

@@ -130,10 +130,12 @@ def test_a_view_is_immutable_and_its_arrays_read_only():
     v = c.storage.view()
     assert isinstance(v, KvView) and v.version == c.storage.version
     with pytest.raises(AttributeError):
-        v.k = None
-    for name in ("k", "v", "lens", "xlen", "kcol"):
+        v.dense = None
+    with pytest.raises(AttributeError):
+        v.dense.k = None
+    for a in (v.dense.k, v.dense.v, v.lens):
         with pytest.raises(ValueError):
-            getattr(v, name)[0] = 0
+            a[0] = 0
     assert c.storage.view() is v, "one view per version"
 
 
@@ -149,11 +151,10 @@ def test_every_view_holds_the_counts_at_its_version(mode):
         st = c.storage
         v = st.view()
         for name in ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set"):
-            a, b = getattr(st, name), getattr(v, name)
-            assert (a is None) == (b is None), name
-            if a is not None:
-                assert np.array_equal(a, b) and not b.flags.writeable, name
-        views.append((v, {n: None if getattr(v, n) is None else getattr(v, n).copy()
+            b = v.lens if name == "lens" else v.array(name)
+            if b is not None:
+                assert np.array_equal(getattr(st, name), b) and not b.flags.writeable, name
+        views.append((v, {n: None if (a := v.lens if n == "lens" else v.array(n)) is None else a.copy()
                           for n in ("lens", "xlen", "kcol_set", "vcol_set")}))
 
     c.extend(rows(70), rows(70))      # q8_2f's field freezes at 64 rows
@@ -172,14 +173,14 @@ def test_every_view_holds_the_counts_at_its_version(mode):
     check()
     for v, counts in views:           # each view kept the counts of its own version
         for name, want in counts.items():
-            assert want is None or np.array_equal(getattr(v, name), want), name
+            assert want is None or np.array_equal(v.lens if name == "lens" else v.array(name), want), name
 
 
 class Writer(ReferenceBackend):
     name = "writer_test"
 
     def attend_layer(self, q, kv, **kw):
-        kv.k[0, 0] = 0.0
+        kv.dense.k[0, 0] = 0.0
         return super().attend_layer(q, kv, **kw)
 
 
@@ -208,7 +209,7 @@ def test_every_mutation_moves_the_version_and_unchanged_rows_tells_what_stayed(w
     c = kvreg.LayerKvCache(2, 8, mode=mode, backend="reference")
     c.extend(rows(70), rows(70))  # q8_2f's field froze at 64 rows
     before = c.storage.view()
-    bits = {n: getattr(before, n).copy() for n in c.storage.block_names()}
+    bits = {n: before.array(n).copy() for n in c.storage.block_names()}
     MUTATIONS[what](c)
     after = c.storage.view()
     assert after.version > before.version
@@ -216,11 +217,11 @@ def test_every_mutation_moves_the_version_and_unchanged_rows_tells_what_stayed(w
     if floor is None:
         return  # a rewrite: a mirror uploads everything
     for name, old in bits.items():
-        new = getattr(after, name)
+        new = after.array(name)
         for h in range(2):
             keep = int(min(floor[h], before.lens[h], after.lens[h]))
             if c.storage.window:  # integer slots of window rows are written as they leave
-                keep = min(keep, int(before.b8[h]))
+                keep = min(keep, int(before.window.b8[h]))
             assert np.array_equal(new[h, :keep], old[h, :keep]), f"{what}: {name} head {h} changed below {keep}"
 
 

@@ -74,7 +74,7 @@ def test_windowed_attend_equals_masked_full_row():
         c.append(f32(((r * 13 + i * 5) % 29) / 29.0 - 0.5), f32(((r * 7 + i * 3) % 31) / 31.0 - 0.5))
     q = f32(((np.arange(hpk * hd) * 19) % 23) / 23.0 - 0.5).reshape(hpk, hd)
     scale = np.float32(0.25)
-    st = c.storage
+    st = c.storage.view()
     for w in (1, 7, 39, 40, 100):
         first = max(rows - w, 0)
         imp = np.zeros(rows, np.float32)

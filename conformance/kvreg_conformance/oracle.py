@@ -237,24 +237,30 @@ def _tiered64(st, side: str, g: int, n: int) -> np.ndarray:
     return rows @ _hadamard64(st.head_dim) if (st.rot_k if side == "k" else st.rot_v) else rows
 
 
+def _side64(st, side: str, g: int, n: int | None) -> np.ndarray:
+    """Rows of side ``side`` (``"k"``/``"v"``) of KV head ``g`` as float64
+    ``[n, hd]``, read from a storage (``layer.storage``) or its view."""
+    kv = st.view() if hasattr(st, "view") else st
+    n = int(kv.lens[g]) if n is None else n
+    if kv.tiers is not None:
+        return _tiered64(kv, side, g, n)
+    nkv = kv.num_kv_heads
+    xlen = kv.array("xlen")
+    rows = _rows64(kv.array(side), kv.array(side + "q"), kv.array(side + "s"), kv.array(side + "col"),
+                   kv.array(side + "col_set"), g, n, KV_K_GROUP if side == "k" else kv.head_dim,
+                   kv.array("x" + side), np.zeros(nkv, np.int64) if xlen is None else xlen,
+                   (kv.array("th" + side), kv.window.b8) if kv.window is not None else None)
+    return rows @ _hadamard64(kv.head_dim) if (kv.rot_k if side == "k" else kv.rot_v) else rows
+
+
 def head_keys64(st, g: int, n: int | None = None) -> np.ndarray:
     """Keys of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 K."""
-    n = int(st.lens[g]) if n is None else n
-    if st.mode.tiered:
-        return _tiered64(st, "k", g, n)
-    rows = _rows64(st.k, st.kq, st.ks, st.kcol, st.kcol_set, g, n, KV_K_GROUP, st.xk, st.xlen,
-                   (st.thk, st.b8) if st.window else None)
-    return rows @ _hadamard64(st.head_dim) if st.rot_k else rows
+    return _side64(st, "k", g, n)
 
 
 def head_values64(st, g: int, n: int | None = None) -> np.ndarray:
     """Values of KV head ``g`` as float64 ``[n, hd]``, dequantized under q8 V."""
-    n = int(st.lens[g]) if n is None else n
-    if st.mode.tiered:
-        return _tiered64(st, "v", g, n)
-    rows = _rows64(st.v, st.vq, st.vs, st.vcol, st.vcol_set, g, n, st.head_dim, st.xv, st.xlen,
-                   (st.thv, st.b8) if st.window else None)
-    return rows @ _hadamard64(st.head_dim) if st.rot_v else rows
+    return _side64(st, "v", g, n)
 
 
 def field_rms_oracle(rows) -> np.ndarray:

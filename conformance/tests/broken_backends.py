@@ -93,17 +93,17 @@ class StaleMirror(ReferenceBackend):
         self._mirror: dict[tuple[int, int], np.ndarray] = {}
 
     def attend_group(self, q, kv, g, **kw):
-        if kv.k is None:
+        if kv.dense.k is None:
             return super().attend_group(q, kv, g, **kw)
         n = int(kv.lens[g])
         key = (id(kv.owner), g)
         rows = self._mirror.get(key, np.zeros((0, kv.head_dim), np.float32))
         if rows.shape[0] < n:
-            rows = np.concatenate([rows, kv.k[g, rows.shape[0]:n]])
+            rows = np.concatenate([rows, kv.dense.k[g, rows.shape[0]:n]])
             self._mirror[key] = rows
-        k = kv.k.copy()
+        k = kv.dense.k.copy()
         k[g, :n] = rows[:n]
-        return super().attend_group(q, kv._replace(k=k), g, **kw)
+        return super().attend_group(q, kv._replace(dense=kv.dense._replace(k=k)), g, **kw)
 
 
 class IgnoresExactRows(ReferenceBackend):
@@ -114,7 +114,10 @@ class IgnoresExactRows(ReferenceBackend):
     auto = False
 
     def attend_group(self, q, kv, g, **kw):
-        return super().attend_group(q, kv._replace(xlen=np.zeros_like(kv.xlen)), g, **kw)
+        if kv.exact is None:
+            return super().attend_group(q, kv, g, **kw)
+        return super().attend_group(q, kv._replace(exact=kv.exact._replace(xlen=np.zeros_like(kv.exact.xlen))), g,
+                                    **kw)
 
 
 class DropsNanRows(ReferenceBackend):
@@ -178,11 +181,11 @@ class PositionKeyedRing(ReferenceBackend):
     name = "broken_ring"
     auto = False
 
+    provides = frozenset({"bounded_ring"})
+
     def __init__(self, device=None):
         super().__init__(device)
         self._copies: dict[int, list] = {}
-
-    provides = frozenset({"bounded_ring"})
 
     def bounded_attend(self, q, ring, **kw):
         seen = ring.seen

@@ -37,11 +37,14 @@ import numpy as np
 from .. import _snapshot
 from ..modes import KV_K_GROUP, KvMode
 from ..quant import num_groups, rotates
-from ..views import KV_ARRAYS, KV_COUNTS, KvView, readonly
+from ..views import DecodeSlot, DenseRows, KvView, readonly
 
 _GEN = itertools.count(1)
-# view() spells an unquantized storage's counts out in this order
-assert KV_COUNTS == ("lens", "xlen", "b8", "b4", "kcol_set", "vcol_set")
+
+#: Every array a storage may hold (None where its mode has none): the row
+#: blocks, the per-head state beyond them, the field and exact rows.
+ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4", "v4s",
+          "t8k", "t8ks", "t8v", "t8vs")
 
 #: Truncations a storage remembers for device mirrors (older ones: a full re-upload).
 FLOOR_LOG = 64
@@ -122,8 +125,10 @@ class Storage(abc.ABC):
         self.lens = np.zeros(num_kv_heads, dtype=np.int64)
         self.seq_len = 0
         self._imp = np.zeros(0, dtype=np.float32)
-        for name in KV_ARRAYS:
+        for name in ARRAYS:
             setattr(self, name, None)
+        # The seed's field state, on every storage alike (ones and unset
+        # where the mode has no field): storages compare and travel the same.
         self.kcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
         self.vcol = np.ones((num_kv_heads, head_dim), dtype=np.float32)
         self.kcol_set = np.zeros(num_kv_heads, dtype=bool)
@@ -141,8 +146,7 @@ class Storage(abc.ABC):
         self._log_start = 0
         self._floors: deque[tuple[int, np.ndarray]] = deque(maxlen=FLOOR_LOG)
         self._view: KvView | None = None
-        self._blocks: tuple | None = None  # the view's fields up to its arrays (None: rebuild)
-        self._still: tuple | None = None   # an unquantized view's frozen xlen, kcol_set, vcol_set (None: rebuild)
+        self._arrays: dict | None = None   # the view's read-only arrays by name (None: rebuild)
         self._rows = _Rows(self)
         self._snap: _snapshot.Snapshot | None = None   # the snapshot its row blocks map (forks)
 
@@ -212,33 +216,35 @@ class Storage(abc.ABC):
         v = self._view
         if v is not None and v.version == self.version:
             return v
-        if self._blocks is None:  # arrays (re)allocated since the last view
-            self._blocks = (self._rows, self.mode, self.num_kv_heads, self.head_dim, self.ngk, self.cap, self.exact_cap,
-                            self.window, self.rot_k, self.rot_v) + tuple(readonly(getattr(self, n)) for n in KV_ARRAYS)
-        if self.mode.quantized:
-            counts = tuple([None if (a := getattr(self, n)) is None else _frozen(a) for n in KV_COUNTS])
-        else:
-            # Unquantized rows have no exact rows, q8 field or window: of the
-            # counts only lens moves, so a decode's view copies that alone
-            # (each numpy call costs ~10 µs inside a model, whose matmuls evict
-            # the interpreter's working set between layers).
-            still = self._still
-            if still is None:
-                still = self._still = (_frozen(self.xlen), _frozen(self.kcol_set), _frozen(self.vcol_set))
-            counts = (_frozen(self.lens), still[0], None, None, still[1], still[2])
-        v = self._view = KvView._make(self._blocks + counts + (self.version, self.reset_version, self._log_start,
-                                                               tuple(self._floors)))
+        if self._arrays is None:  # arrays (re)allocated since the last view
+            self._arrays = {n: readonly(a) for n in ARRAYS if (a := getattr(self, n)) is not None}
+        v = self._view = KvView(self._rows, self.mode, self.num_kv_heads, self.head_dim, self.cap, _frozen(self.lens),
+                                self.rot_k, self.rot_v, *self._groups(self._arrays.get, _frozen), self.version,
+                                self.reset_version, self._log_start, tuple(self._floors))
         return v
+
+    def slot(self) -> DecodeSlot:
+        """What a fused decode step writes: the view's fields over this
+        storage's own arrays and live counts (:class:`~kvreg.views.DecodeSlot`)."""
+        return DecodeSlot(self._rows, self.mode, self.num_kv_heads, self.head_dim, self.cap, self.lens, self.rot_k,
+                          self.rot_v, *self._groups(lambda n: getattr(self, n), lambda a: a), self.version,
+                          self.reset_version, self._log_start, tuple(self._floors))
+
+    def _groups(self, array, count) -> tuple:
+        """The view's row groups ``(dense, q8, exact, window, tiers)``, each
+        array read through ``array(name)`` and each per-head count through
+        ``count(a)`` (a frozen copy for a view, the array for a slot)."""
+        return DenseRows(array("k"), array("v")), None, None, None, None
 
     # ── forks ──
 
     def copy(self) -> Storage:
         """A storage holding its own copy of every row (a deep copy)."""
         new = self._shallow()
-        for name in KV_ARRAYS:
+        for name in ARRAYS:
             a = getattr(self, name)
             setattr(new, name, None if a is None else a.copy())
-        new._snap, new._rows, new._blocks, new._view = None, _Rows(new), None, None
+        new._snap, new._rows, new._arrays, new._view = None, _Rows(new), None, None
         return new
 
     def fork(self) -> Storage:
@@ -254,7 +260,7 @@ class Storage(abc.ABC):
         if self._snap is not None or (_snapshot.AVAILABLE and self.cap
                                       and self._block_bytes() >= _snapshot.MIN_BYTES):
             blocks = self.block_names()
-            for name in KV_ARRAYS:   # the per-head arrays (windows, tiers, fields, exact rows): small, copied
+            for name in ARRAYS:   # the per-head arrays (windows, tiers, fields, exact rows): small, copied
                 a = getattr(self, name)
                 if a is not None and name not in blocks:
                     setattr(new, name, a.copy())
@@ -271,7 +277,7 @@ class Storage(abc.ABC):
         """Every attribute shared, then the small mutable ones made its own."""
         new = copy.copy(self)
         for name, val in vars(self).items():
-            if isinstance(val, np.ndarray) and name not in KV_ARRAYS:
+            if isinstance(val, np.ndarray) and name not in ARRAYS:
                 setattr(new, name, val.copy())
         new._floors = deque(self._floors, maxlen=FLOOR_LOG)
         return new
@@ -332,7 +338,7 @@ class Storage(abc.ABC):
         identity of its own); shared arrays are copied."""
         self._rows.holders.discard(self)
         if self._snap is None:
-            for name in KV_ARRAYS:
+            for name in ARRAYS:
                 a = getattr(self, name)
                 if a is not None:
                     setattr(self, name, a.copy())
@@ -350,8 +356,8 @@ class Storage(abc.ABC):
 
     def _forget_arrays(self) -> None:
         """What was derived from the arrays an array replacement outdates: the
-        view's blocks, its still counts, a backend's memo on the owner."""
-        self._blocks = self._still = None
+        view's arrays, a backend's memo on the owner."""
+        self._arrays = None
         self._rows.memo = self._rows.row_memo = None
 
     def _rewritten(self) -> None:
@@ -359,7 +365,6 @@ class Storage(abc.ABC):
         self._touch()
         self.reset_version = self.version
         self._floors.clear()
-        self._still = None
 
     def _truncated(self) -> None:
         """Rows past ``lens`` (now) may be rewritten: logged for mirrors."""
@@ -596,8 +601,8 @@ class Storage(abc.ABC):
         if rows.shared and len(rows.holders) > 1:
             self._own()
             rows = self._rows
-        out = backend.append_attend_layer(k, v, attend.pop("q"), self, imp=self._imp, seq=self.seq_len, owner=rows,
-                                          **attend)
+        out = backend.append_attend_layer(k, v, attend.pop("q"), self.slot(), imp=self._imp, seq=self.seq_len,
+                                          owner=rows, **attend)
         if out is not None:
             self.seq_len += 1
             self._touch()
@@ -614,7 +619,7 @@ class Storage(abc.ABC):
         the caller checks. A step declines (None, nothing stored) where
         :meth:`append_row_attend_by` would copy shared rows first or grow
         the importance: the unprepared call does that."""
-        step = self._row_steps() and backend.prepare_append_attend(self, owner=self._rows, **attend)
+        step = self._row_steps() and backend.prepare_append_attend(self.slot(), owner=self._rows, **attend)
         if not step:
             return None
         rows = self._rows

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ShapeError
 from ..modes import KV_COL_WARMUP, KV_K_GROUP, Q8_ABS_MAX, KvMode
+from ..views import DenseRows, ExactRows, Q8Rows, WindowRows
 from .base import Storage, writes
 
 
@@ -97,6 +98,13 @@ class Int8Storage(Storage):
         if not self.window:
             return ()
         return ("b8",) + tuple(n for n in ("thk", "thv") if getattr(self, n) is not None)
+
+    def _groups(self, array, count) -> tuple:
+        q8 = Q8Rows(array("kq"), array("ks"), array("vq"), array("vs"), array("kcol"), array("vcol"),
+                    count(self.kcol_set), count(self.vcol_set), self.ngk)
+        exact = ExactRows(array("xk"), array("xv"), count(self.xlen), self.exact_cap) if self.exact_cap else None
+        window = WindowRows(array("thk"), array("thv"), count(self.b8), self.window) if self.window else None
+        return DenseRows(array("k"), array("v")), q8, exact, window, None
 
     def field_frozen(self) -> bool:
         """Whether the q8 field froze (the seed: any head's column is set)."""

@@ -19,13 +19,12 @@ register the class); the kernels load when the backend is instantiated.
 
 from __future__ import annotations
 
-import operator
 import weakref
 
 import numpy as np
 
 from kvreg.errors import BackendError
-from kvreg.layer import Q8_ABS_MAX
+from kvreg.modes import Q8_ABS_MAX
 from kvreg.modes import KV_K_GROUP, KvMode
 from kvreg.plugin import check_batch
 from kvreg.registry import cpu_device
@@ -47,29 +46,17 @@ def _load_kernels() -> None:
         raise BackendError(f"kvreg-numba was built for {K_GROUP}-channel K groups, kvreg uses {KV_K_GROUP}")
 
 
+#: The arrays of a view the decode kernels take, by the name ``kv_args`` gives them.
+_STORAGE_ARGS = ("k", "kq", "ks", "kcol", "kcol_set", "v", "vq", "vs", "vcol", "vcol_set", "xk", "xv", "xlen",
+                 "thk", "thv", "b8")
+
+
 def _storage_args(kv) -> dict:
-    """The storage arrays of a layer, as the kernels take them (None = absent)."""
-    quant_k = kv.mode.quant_k
-    quant_v = kv.mode.quant_v
-    return dict(
-        k=None if quant_k else kv.k,
-        kq=kv.kq if quant_k else None,
-        ks=kv.ks if quant_k else None,
-        kcol=kv.kcol if quant_k else None,
-        kcol_set=kv.kcol_set if quant_k else None,
-        v=None if quant_v else kv.v,
-        vq=kv.vq if quant_v else None,
-        vs=kv.vs if quant_v else None,
-        vcol=kv.vcol if quant_v else None,
-        vcol_set=kv.vcol_set if quant_v else None,
-        xk=kv.xk if quant_k else None,
-        xv=kv.xv if quant_v else None,
-        xlen=kv.xlen if kv.exact_cap else None,
-        # q8's float16 windows (q8, q8k, q8v): passed as stored, viewed as int16
-        thk=kv.thk if kv.window else None,
-        thv=kv.thv if kv.window else None,
-        b8=kv.b8 if kv.window else None,
-    )
+    """The storage arrays of a layer (a view or a decode slot), as the
+    kernels take them (None = absent): a side's float rows, or its int8
+    rows with their field; the exact rows; q8's float16 windows (passed as
+    stored, viewed as int16)."""
+    return {name: kv.array(name) for name in _STORAGE_ARGS}
 
 
 #: Stand-ins for the arrays a side of :meth:`NumbaBackend.store_window_row`
@@ -85,15 +72,15 @@ _Q8_BOUND = np.float32(Q8_ABS_MAX)
 
 def _layer_args(kv, owner=None, slot="memo") -> tuple[tuple, int]:
     """The decode kernel's storage arguments for ``kv`` (a :class:`kvreg.KvView`
-    or a storage): ``(kv_args tuple, bytes of K and V per channel)``. The
+    or a decode slot): ``(kv_args tuple, bytes of K and V per channel)``. The
     arrays' part is kept on the view's ``owner`` (the identity of the row
     arrays: ``memo``, which the storage clears whenever it replaces an
     array), checked against the K block itself, so a decode
     step makes no numpy call for it; the per-head counts come from ``kv``
-    (they change with every version). A fused decode step passes the
-    storage itself, whose arrays it writes, with its rows' identity as
-    ``owner`` and ``slot="row_memo"``."""
-    anchor = kv.kq if kv.k is None else kv.k
+    (they change with every version). A fused decode step passes its
+    :class:`~kvreg.views.DecodeSlot`, whose arrays it writes, with its rows'
+    identity as ``owner`` and ``slot="row_memo"``."""
+    anchor = kv.q8.kq if kv.dense.k is None else kv.dense.k
     if owner is None:
         owner = getattr(kv, "owner", None)
     memo = getattr(owner, slot, None)
@@ -110,7 +97,7 @@ def _layer_args(kv, owner=None, slot="memo") -> tuple[tuple, int]:
     if counts:
         args = list(args)
         for name in counts:
-            args[KV_COUNT_AT[name]] = _count(name, getattr(kv, name))
+            args[KV_COUNT_AT[name]] = _count(name, kv.lens if name == "lens" else kv.array(name))
         args = tuple(args)
     return args, memo[2]
 
@@ -154,12 +141,11 @@ class _BatchRows:
         out = []
         keep = []  # arrays normalized by a copy stay alive for the call
         rows = self._rows
-        get = operator.attrgetter(*fields)
         for kv in kvs:
             if kv.cap == 0:
                 out.append(batch.EMPTY_ROW)
                 continue
-            arrs = get(kv)
+            arrs = tuple(kv.array(f) for f in fields)
             hit = rows.get(id(arrs[0]))
             if hit is not None:
                 for r, a in zip(hit[0], arrs):
@@ -205,12 +191,12 @@ _NONE_REF = _none
 
 def _counts(kvs, name, dtype):
     """A per-head count of every view, ``[B * nkv]`` (zeros for a view without it)."""
+    got = [kv.lens if name == "lens" else kv.array(name) for kv in kvs]
     try:
-        return np.concatenate([getattr(kv, name) for kv in kvs]).astype(dtype, copy=False)
+        return np.concatenate(got).astype(dtype, copy=False)
     except (TypeError, ValueError):
         nkv = kvs[0].num_kv_heads
-        return np.concatenate([np.zeros(nkv, dtype) if getattr(kv, name) is None
-                               else np.asarray(getattr(kv, name), dtype) for kv in kvs])
+        return np.concatenate([np.zeros(nkv, dtype) if a is None else np.asarray(a, dtype) for a in got])
 
 
 class NumbaBackend(ReferenceBackend):
@@ -276,15 +262,15 @@ class NumbaBackend(ReferenceBackend):
         return self._decode.attend_kv(q, frozen_counts(kv.lens), args, elem, window=int(window or 0), scale=scale,
                                       softcap=softcap or 0.0, sinks=sinks, imp=imp)
 
-    def append_attend_layer(self, k, v, q, st, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
+    def append_attend_layer(self, k, v, q, slot, *, imp, seq, owner, scale, window=None, softcap=0.0, sinks=None,
                             importance=False, out=None):
         """The row stored and the layer attended in one launch: a step
         :meth:`prepare_append_attend` makes, called once."""
-        step = self.prepare_append_attend(st, owner=owner, shape=q.shape, scale=scale, window=window,
+        step = self.prepare_append_attend(slot, owner=owner, shape=q.shape, scale=scale, window=window,
                                           softcap=softcap, sinks=sinks, importance=importance, out=out)
         return None if step is None else step(k, v, q, imp, seq)
 
-    def prepare_append_attend(self, st, *, owner, shape, scale, window=None, softcap=0.0, sinks=None,
+    def prepare_append_attend(self, slot, *, owner, shape, scale, window=None, softcap=0.0, sinks=None,
                               importance=False, out=None):
         """:func:`kvreg_numba.dispatch.decode_stepper`: the launch's arguments
         gathered once, the rows counted by the step. F32, f16 and bf16 rows
@@ -292,18 +278,18 @@ class NumbaBackend(ReferenceBackend):
         row as the core does); a q8 window's step
         (:func:`kvreg_numba.window.append_window_attend`: the store, the
         rotations and the attention) where the decode runs on one thread."""
-        args, elem = _layer_args(st, owner, "row_memo")
+        args, elem = _layer_args(slot, owner, "row_memo")
         window_step = None
-        if st.window:
-            if _numpy_rotates(st.rot_k, st.rot_v, shape[1]):
+        if slot.window is not None:
+            if _numpy_rotates(slot.rot_k, slot.rot_v, shape[1]):
                 return None
             # window_row_step's arrays are the kernel's: the windows' int16 bits,
             # empty blocks for what a side lacks (thk, thv, kq, ks, vq, vs, kf, vf)
             window_step = (self._append_window_attend,
-                           (st.rot_k, st.rot_v, args[15], args[16], args[1], args[2], args[6], args[7], args[0],
-                            args[5], st.lens, st.b8),
-                           (st.exact_cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
-        return self._decode.decode_stepper(st.lens, args, elem, tuple(shape), cap=st.cap, window_step=window_step,
+                           (slot.rot_k, slot.rot_v, args[15], args[16], args[1], args[2], args[6], args[7], args[0],
+                            args[5], slot.lens, slot.window.b8),
+                           (0 if slot.exact is None else slot.exact.cap, KV_K_GROUP, _Q8_BOUND, bool(importance)))
+        return self._decode.decode_stepper(slot.lens, args, elem, tuple(shape), cap=slot.cap, window_step=window_step,
                                            importance=importance, window=int(window or 0), scale=scale,
                                            softcap=softcap or 0.0, sinks=sinks, out=out)
 
@@ -326,8 +312,8 @@ class NumbaBackend(ReferenceBackend):
         if self._rows is None:
             self._rows = _BatchRows(self._batch)
         tab, keep = self._rows.table(kvs, _row_fields(qk, qv))
-        win = bool(kv0.window)
-        exact = bool(kv0.exact_cap)
+        win = kv0.window is not None
+        exact = kv0.exact is not None
         out = self._batch.attend_batch(
             q, tab, lens=_counts(kvs, "lens", np.int64), kquant=qk, vquant=qv,
             kv_dtype=mode.float_dtype, xlen=_counts(kvs, "xlen", np.int64) if exact else None,
@@ -339,11 +325,12 @@ class NumbaBackend(ReferenceBackend):
         return out
 
     def attend_chunk(self, q, kv, *, s0, b, hpk, scale, window=None, imp=None):
-        if kv.k is None or kv.v is None or kv.k.dtype != np.float32 or kv.v.dtype != np.float32:
+        k, v = kv.dense
+        if k is None or v is None or k.dtype != np.float32 or v.dtype != np.float32:
             # The core hands q8 and f16/bf16 layers over as a dequantized F32
             # view; anything else takes the reference (which widens per slice).
             return super().attend_chunk(q, kv, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
-        return self._chunk.attend_chunk(q, kv.k, kv.v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+        return self._chunk.attend_chunk(q, k, v, s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
 
     def quantize_rows(self, x, col, *, group):
         x = np.ascontiguousarray(x, dtype=np.float32)

@@ -90,7 +90,7 @@ def test_batch_at_the_default_block(mode):
 
 def test_q8_field_frozen_on_some_sequences_only(small_blocks):
     views = _layers(KvMode.Q8_2F)
-    assert views[4].kcol_set.all() and views[4].vcol_set.all() and not views[3].kcol_set.any()
+    assert views[4].q8.kcol_set.all() and views[4].q8.vcol_set.all() and not views[3].q8.kcol_set.any()
     _check(NumbaBackend(), views, dict(window=6, sinks=True))
 
 
@@ -154,7 +154,7 @@ def test_cached_rows_follow_a_reallocation_and_keep_nothing_alive(mode):
     q = rng.standard_normal((1, NH, HD)).astype(np.float32)
     kv = lay.storage.view()
     be.attend_batch(q, [kv], scale=0.1)
-    old = weakref.ref((kv.k if kv.k is not None else kv.kq).base)
+    old = weakref.ref((kv.dense.k if kv.dense.k is not None else kv.q8.kq).base)
     cap = kv.cap
     while lay.storage.view().cap == cap:  # grow until the storage reallocates
         lay.append(rng.standard_normal((NKV, HD)).astype(np.float32),

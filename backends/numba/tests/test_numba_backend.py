@@ -36,10 +36,10 @@ def test_the_kept_kernel_arguments_follow_every_reallocation_and_fork(mode):
     rng = np.random.default_rng(4)
     a, r = _layers(mode, rows=30)
     q = rng.standard_normal((8, 64)).astype(np.float32)
-    owner = a._st.view().owner
+    owner = a.storage.view().owner
     np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
-    view = a._st.view()
-    assert owner.memo is not None and owner.memo[0] is (view.kq if mode == "q8" else view.k)
+    view = a.storage.view()
+    assert owner.memo is not None and owner.memo[0] is (view.q8.kq if mode == "q8" else view.dense.k)
     fork = a.fork()
 
     def append_one():
@@ -50,11 +50,11 @@ def test_the_kept_kernel_arguments_follow_every_reallocation_and_fork(mode):
 
     append_one()                     # the fork's first write: a copies the rows
     np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
-    assert a._st._rows.memo is not None
-    cap = a._st.cap
-    while a._st.cap == cap:          # past the capacity: new arrays
+    assert a.storage._rows.memo is not None
+    cap = a.storage.cap
+    while a.storage.cap == cap:          # past the capacity: new arrays
         append_one()
-    assert a._st._rows.memo is None  # dropped with the old arrays
+    assert a.storage._rows.memo is None  # dropped with the old arrays
     np.testing.assert_allclose(a.attend_layer(q), r.attend_layer(q), rtol=1e-4, atol=1e-5)
     # the fork kept the 30 rows and reads its own
     r30, _ = _layers(mode, rows=30)

@@ -84,7 +84,7 @@ def layers(mode, nkv=4, hd=40, n=61, seed=0, specials=True):
     alive[nkv - 1] = False
     half.append(k[0], v[0], alive=alive)
     f32 = LayerKvCache(nkv, hd, "f32", backend="numba")
-    st = half._st
+    st = half.storage
     f32.extend(np.ascontiguousarray(from_half(st.k[:, :n]).transpose(1, 0, 2)),
                np.ascontiguousarray(from_half(st.v[:, :n]).transpose(1, 0, 2)))
     f32.append(from_half(st.k[:, n]), from_half(st.v[:, n]), alive=alive)
@@ -98,7 +98,7 @@ CALLS = [dict(), dict(window=9), dict(softcap=5.0), dict(sinks=True), dict(windo
 @pytest.mark.parametrize("hd", [40, 128, 7])
 def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(small_blocks, mode, hd):
     half, f32 = layers(mode, hd=hd)
-    assert half._st.k.dtype == half.mode.float_dtype and half._st.k.itemsize == 2
+    assert half.storage.k.dtype == half.mode.float_dtype and half.storage.k.itemsize == 2
     rng = np.random.default_rng(1)
     nh = 4 * 3
     q = rng.standard_normal((nh, hd)).astype(np.float32)
@@ -106,15 +106,15 @@ def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(small_blo
         kw = dict(call)
         if kw.pop("sinks", False):
             kw["sinks"] = rng.standard_normal(nh).astype(np.float32)
-        i1 = np.zeros(half._st.cap, np.float32)
-        i2 = np.zeros(half._st.cap, np.float32)
-        a = half.backend.attend_layer(q, half._st, scale=0.3, imp=i1, **kw)
-        b = f32.backend.attend_layer(q, f32._st, scale=0.3, imp=i2, **kw)
+        i1 = np.zeros(half.storage.cap, np.float32)
+        i2 = np.zeros(half.storage.cap, np.float32)
+        a = half.backend.attend_layer(q, half.storage.view(), scale=0.3, imp=i1, **kw)
+        b = f32.backend.attend_layer(q, f32.storage.view(), scale=0.3, imp=i2, **kw)
         assert a.tobytes() == b.tobytes(), call
         assert i1.tobytes() == i2.tobytes(), call
     for g in range(4):
-        a = half.backend.attend_group(q[:3], half._st, g, scale=0.3, first=5, upto=40, softcap=2.0)
-        b = f32.backend.attend_group(q[:3], f32._st, g, scale=0.3, first=5, upto=40, softcap=2.0)
+        a = half.backend.attend_group(q[:3], half.storage.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
+        b = f32.backend.attend_group(q[:3], f32.storage.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
         assert a.tobytes() == b.tobytes()
 
 
@@ -133,11 +133,11 @@ def _spy(monkeypatch):
 @pytest.mark.parametrize("mode", HALF)
 def test_the_kernel_receives_the_stored_2_byte_block_itself(monkeypatch, mode):
     half, _ = layers(mode, specials=False)
-    st = half._st
+    st = half.storage
     seen = _spy(monkeypatch)
     q = np.ones((8, 40), np.float32)
-    half.backend.attend_layer(q, st, scale=0.1)
-    half.backend.attend_group(q[:2], st, 1, scale=0.1)
+    half.backend.attend_layer(q, st.view(), scale=0.1)
+    half.backend.attend_group(q[:2], st.view(), 1, scale=0.1)
     want = {"f16": np.int16, "bf16": np.uint16}[mode]
     assert len(seen) == 2
     for nbytes, args in seen:
@@ -197,8 +197,8 @@ def test_eviction_and_prefill_on_a_half_layer(mode):
         q = np.random.default_rng(9).standard_normal((10, nkv * 2, hd)).astype(np.float32)
         c = lay.attend_chunk(q, 10, 40, 2)  # rows [40, 50) are the chunk's own
         lay.evict_born(6, 2, 4)  # rows 0, 1 and 46..49: a gather of the 2-byte rows
-        assert lay._st.k.dtype == lay.mode.float_dtype
-        out[be] = (c, lay._st.k[:, :6].copy(), lay._st.v[:, :6].copy())
+        assert lay.storage.k.dtype == lay.mode.float_dtype
+        out[be] = (c, lay.storage.k[:, :6].copy(), lay.storage.v[:, :6].copy())
     assert np.allclose(out["numba"][0], out["reference"][0], rtol=1e-5, atol=1e-6)
     assert out["numba"][1].tobytes() == out["reference"][1].tobytes()
     assert out["numba"][2].tobytes() == out["reference"][2].tobytes()

@@ -206,9 +206,9 @@ def test_the_fused_decode_step_gives_append_then_attend_layers_bits(monkeypatch,
         np.testing.assert_array_equal(lay.append_attend(k, v, q, window=3000).view(np.uint32), w.view(np.uint32))
     np.testing.assert_array_equal(lay.imp.view(np.uint32), ref.imp.view(np.uint32))
     n = ref.seq_len
-    assert lay.seq_len == n and (lay._st.lens == ref._st.lens).all()
+    assert lay.seq_len == n and (lay.storage.lens == ref.storage.lens).all()
     for side in ("k", "v"):   # the stored bits (a 2-byte row rounded as the core rounds it)
-        assert getattr(lay._st, side)[:, :n].tobytes() == getattr(ref._st, side)[:, :n].tobytes(), side
+        assert getattr(lay.storage, side)[:, :n].tobytes() == getattr(ref.storage, side)[:, :n].tobytes(), side
     # the first step grows the capacity (append, then attend_layer); the
     # others store their row in the launch, except before posting helpers
     assert (len(posted), fused) == {"one thread": (0, ["append_attend_groups"] * 3), "helpers": (4, []),

@@ -19,7 +19,7 @@ MODES = ["q8", "q8k", "q8v"]
 
 
 def _stored(lay):
-    st = lay._st
+    st = lay.storage
     names = ("k", "v", "kq", "ks", "vq", "vs", "thk", "thv", "xk", "xv", "lens", "b8")
     out = {n: getattr(st, n).copy() for n in names if getattr(st, n, None) is not None}
     out["imp"] = st._imp[:st.seq_len].copy()

@@ -167,7 +167,7 @@ class OpenCLBackend(ReferenceBackend):
 
     @staticmethod
     def _empty(kv) -> bool:
-        return int(np.asarray(kv.lens).max(initial=0)) == 0 or (kv.k is None and kv.kq is None)
+        return int(np.asarray(kv.lens).max(initial=0)) == 0 or (kv.array("k") is None and kv.array("kq") is None)
 
     # -- kernels ------------------------------------------------------------
     def attend_group(self, q, kv, g, *, scale, first=0, upto=None, softcap=0.0, sinks=None, imp=None):

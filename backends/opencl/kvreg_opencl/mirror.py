@@ -74,8 +74,8 @@ def owns(ref, owner) -> bool:
     return ref is not None and owner is not None and ref() is owner
 
 
-def _present(storage, name):
-    a = getattr(storage, name, None)
+def _present(kv, name):
+    a = kv.array(name)
     return None if a is None else np.asarray(a)
 
 
@@ -174,7 +174,7 @@ class DeviceMirror:
             if col is None:
                 setattr(self, attr, None)
                 continue
-            isset = np.asarray(getattr(storage, flag), dtype=bool).reshape(self.nkv, 1)
+            isset = np.asarray(storage.array(flag), dtype=bool).reshape(self.nkv, 1)
             host = np.where(isset, col.reshape(self.nkv, self.hd), np.float32(1.0)).astype(np.float32)
             buf = cl.Buffer(self.dev.context, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
             setattr(self, attr, buf)
@@ -198,7 +198,7 @@ class DeviceMirror:
                 e += 1
             a, b = int(lo[h]), int(hi[h])
             for name, (rshape, dt) in shapes.items():
-                host = np.asarray(getattr(storage, name))
+                host = np.asarray(storage.array(name))
                 rb = int(np.prod(rshape, dtype=np.int64)) * dt.itemsize
                 if host.flags.c_contiguous:
                     # straight from the storage block: no host-side copy
@@ -237,7 +237,7 @@ class DeviceMirror:
         """``(wcap, thk, thv, b8)`` of the storage's q8 float16 windows; wcap 0
         when off (q4's tiers are not mirrored: the backend hands them to the
         reference kernels)."""
-        wcap = int(getattr(storage, "window", 0) or 0)
+        wcap = 0 if storage.window is None else int(storage.window.size)
         mode = getattr(storage, "mode", None)
         thk, thv = _present(storage, "thk"), _present(storage, "thv")
         if wcap <= 0 or getattr(mode, "tiered", False) or (thk is None and thv is None):
@@ -246,7 +246,7 @@ class DeviceMirror:
             if th is not None and (th.shape != (nkv, wcap, hd) or th.dtype != np.float16):
                 raise ShapeError(f"kvreg-opencl: a float16 window is {th.dtype} {th.shape}, "
                                  f"expected float16 {(nkv, wcap, hd)}")
-        return wcap, thk, thv, np.asarray(storage.b8, dtype=np.int64).reshape(nkv)
+        return wcap, thk, thv, np.asarray(storage.window.b8, dtype=np.int64).reshape(nkv)
 
     def _upload_window(self, wcap: int, thk, thv, b8) -> None:
         cl = self.dev.cl
@@ -275,14 +275,14 @@ class DeviceMirror:
     @staticmethod
     def _exact_layout(storage, nkv: int, hd: int):
         """``(xcap, xk, xv, xlen)`` of the storage's exact rows; xcap 0 when off."""
-        xcap = int(getattr(storage, "exact_cap", 0) or 0)
+        xcap = 0 if storage.exact is None else int(storage.exact.cap)
         xk, xv = _present(storage, "xk"), _present(storage, "xv")
         if xcap <= 0 or (xk is None and xv is None):
             return 0, None, None, None
         for x in (xk, xv):
             if x is not None and x.shape != (nkv, xcap, hd):
                 raise ShapeError(f"kvreg-opencl: exact rows are {x.shape}, expected {(nkv, xcap, hd)}")
-        xlen = np.minimum(np.asarray(storage.xlen, dtype=np.int64).reshape(nkv), xcap)
+        xlen = np.minimum(np.asarray(storage.exact.xlen, dtype=np.int64).reshape(nkv), xcap)
         return xcap, xk, xv, xlen
 
     def _upload_exact(self, xcap: int, xk, xv, xlen) -> None:

@@ -34,7 +34,7 @@ def layers(mode, nkv=3, hd=40, n=45, seed=0, specials=True):
     alive = np.ones(nkv, bool)
     alive[-1] = False
     half.append(k[0], v[0], alive=alive)
-    st = half._st
+    st = half.storage
     f32 = LayerKvCache(nkv, hd, "f32", backend="opencl")
     f32.extend(np.ascontiguousarray(from_half(st.k[:, :n]).transpose(1, 0, 2)),
                np.ascontiguousarray(from_half(st.v[:, :n]).transpose(1, 0, 2)))
@@ -54,15 +54,15 @@ def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(dev, smal
     q = rng.standard_normal((nh, hd)).astype(np.float32)
     for kw in (dict(), dict(window=9), dict(softcap=5.0), dict(sinks=rng.standard_normal(nh).astype(np.float32)),
                dict(window=20, softcap=3.0, sinks=rng.standard_normal(nh).astype(np.float32))):
-        i1 = np.zeros(half._st.cap, np.float32)
-        i2 = np.zeros(half._st.cap, np.float32)
-        a = half.backend.attend_layer(q, half._st.view(), scale=0.3, imp=i1, **kw)
-        b = f32.backend.attend_layer(q, f32._st.view(), scale=0.3, imp=i2, **kw)
+        i1 = np.zeros(half.storage.cap, np.float32)
+        i2 = np.zeros(half.storage.cap, np.float32)
+        a = half.backend.attend_layer(q, half.storage.view(), scale=0.3, imp=i1, **kw)
+        b = f32.backend.attend_layer(q, f32.storage.view(), scale=0.3, imp=i2, **kw)
         assert a.tobytes() == b.tobytes(), list(kw)
         assert i1.tobytes() == i2.tobytes(), list(kw)
     for g in range(3):
-        a = half.backend.attend_group(q[:3], half._st.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
-        b = f32.backend.attend_group(q[:3], f32._st.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
+        a = half.backend.attend_group(q[:3], half.storage.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
+        b = f32.backend.attend_group(q[:3], f32.storage.view(), g, scale=0.3, first=5, upto=40, softcap=2.0)
         assert a.tobytes() == b.tobytes()
 
 
@@ -70,7 +70,7 @@ def test_a_half_layer_answers_the_f32_kernels_bits_on_its_widened_rows(dev, smal
 def test_the_mirror_holds_2_byte_elements_and_decode_uploads_2_bytes(dev, mode):
     nkv, hd = 2, 64
     half, _ = layers(mode, nkv=nkv, hd=hd, specials=False)
-    be, st = half.backend, half._st
+    be, st = half.backend, half.storage
     m = be.mirror(st.view())
     assert m.kv_dtype == np.dtype(DTYPE[mode])
     for name in ("k", "v"):

@@ -56,13 +56,13 @@ def answers(c, hd, hpk):
     out, imps = [], []
     for kw in (dict(), dict(window=9), dict(softcap=5.0), dict(sinks=sinks),
                dict(window=20, softcap=3.0, sinks=sinks)):
-        imp = np.zeros(c._st.cap, np.float32)
-        out.append(c.backend.attend_layer(q, c._st.view(), scale=0.3, imp=imp, **kw).tobytes())
+        imp = np.zeros(c.storage.cap, np.float32)
+        out.append(c.backend.attend_layer(q, c.storage.view(), scale=0.3, imp=imp, **kw).tobytes())
         imps.append(imp.tobytes())
-    out.append(c.backend.attend_group(q[:3], c._st.view(), 1, scale=0.3, first=5, upto=40,
+    out.append(c.backend.attend_group(q[:3], c.storage.view(), 1, scale=0.3, first=5, upto=40,
                                       softcap=2.0).tobytes())
     qc = rng.standard_normal((6, nh, hd)).astype(np.float32)
-    out.append(c.backend.attend_chunk(qc, c._st.view(), s0=30, b=6, hpk=hpk, scale=0.3).tobytes())
+    out.append(c.backend.attend_chunk(qc, c.storage.view(), s0=30, b=6, hpk=hpk, scale=0.3).tobytes())
     return out, imps
 
 

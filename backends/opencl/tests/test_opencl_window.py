@@ -41,7 +41,7 @@ def layer(mode, *, nkv=3, hd=64, n=29, exact=1, seed=0, truncate=0):
         lay.append(*rows(rng, nkv, hd), alive=alive)
     if truncate:
         lay.truncate_last(truncate)
-    assert lay._st.window == 8
+    assert lay.storage.window == 8
     return lay
 
 
@@ -62,11 +62,11 @@ def test_windowed_q8_answers_the_reference(dev, small_blocks, mode, shape):
     kw = {"long": dict(n=61), "straddles-exact": dict(n=6, exact=3), "truncated": dict(n=40, truncate=13),
           "hd40": dict(n=37, hd=40)}[shape]
     lay = layer(mode, **kw)
-    kv, be = lay._st.view(), lay.backend
+    kv, be = lay.storage.view(), lay.backend
     if shape == "straddles-exact":
-        assert (kv.b8 == 0).all() and (kv.xlen == np.minimum(kv.lens, 3)).all()
+        assert (kv.window.b8 == 0).all() and (kv.exact.xlen == np.minimum(kv.lens, 3)).all()
     if shape == "truncated":
-        assert ((kv.lens - kv.b8) < 8).any() and (kv.lens > 8).any()
+        assert ((kv.lens - kv.window.b8) < 8).any() and (kv.lens > 8).any()
     nkv, hd = kv.num_kv_heads, kv.head_dim
     rng = np.random.default_rng(7)
     q = rng.standard_normal((nkv * 3, hd)).astype(np.float32)
@@ -100,7 +100,7 @@ def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, m
         lay.append(*rows(rng, nkv, hd))
         if step in (20, 33):
             lay.truncate_last(5 if step == 20 else 11)  # cuts the window; 11 reaches the int8 rows
-        kv = lay._st.view()
+        kv = lay.storage.view()
         got = be.attend_layer(q, kv, scale=0.2)
         assert got.tobytes() == fresh(dev, kv, q).tobytes(), step
         close(got, REF.attend_layer(q, kv, scale=0.2))
@@ -108,7 +108,7 @@ def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, m
     assert m.full_reuploads == 1
     c0 = m.counters()
     lay.append(*rows(rng, nkv, hd))
-    m = be.mirror(lay._st.view())
+    m = be.mirror(lay.storage.view())
     c1 = m.counters()
     quant = {"q8": ("kq", "ks", "vq", "vs"), "q8k": ("kq", "ks", "v"), "q8v": ("k", "vq", "vs")}[mode]
     row = {"kq": hd, "ks": 4, "vq": hd, "vs": 4, "k": 4 * hd, "v": 4 * hd}
@@ -116,15 +116,15 @@ def test_decode_steps_and_truncations_keep_the_mirror_exact(dev, small_blocks, m
     win = nkv * 8 * hd * 2 * (2 if mode == "q8" else 1) + nkv * 4
     assert c1["window_bytes_uploaded"] - c0["window_bytes_uploaded"] == win
     # a second sync with nothing changed uploads nothing (per-group calls sync each time)
-    be.attend_group(q[:2], lay._st.view(), 0, scale=0.2)
-    be.attend_group(q[2:], lay._st.view(), 1, scale=0.2)
-    assert be.mirror(lay._st.view()).counters()["window_bytes_uploaded"] == c1["window_bytes_uploaded"]
+    be.attend_group(q[:2], lay.storage.view(), 0, scale=0.2)
+    be.attend_group(q[2:], lay.storage.view(), 1, scale=0.2)
+    assert be.mirror(lay.storage.view()).counters()["window_bytes_uploaded"] == c1["window_bytes_uploaded"]
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_int8_slots_of_window_rows_are_never_read(dev, small_blocks, mode):
     lay = layer(mode, n=30, exact=2)
-    st = lay._st
+    st = lay.storage
     q = np.random.default_rng(5).standard_normal((9, 64)).astype(np.float32)
     want = fresh(dev, st.view(), q, softcap=5.0)
     poison_window_slots(st)  # writes the storage's arrays behind its back: a fresh mirror reads them
@@ -134,7 +134,7 @@ def test_the_int8_slots_of_window_rows_are_never_read(dev, small_blocks, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_the_window_travels_at_2_bytes_an_element(dev, mode):
     lay = layer(mode, n=20)
-    st = lay._st
+    st = lay.storage
     m = DeviceMirror(dev)
     m.sync(st.view())
     thk, thv, b8, wcap = m.window_args()
@@ -155,9 +155,9 @@ def test_q4_still_takes_the_reference(dev):
     for _ in range(30):
         lay.append(*rows(rng, 2, 32))
     q = rng.standard_normal((4, 32)).astype(np.float32)
-    a = lay.backend.attend_layer(q, lay._st.view(), scale=0.2)
-    assert a.tobytes() == REF.attend_layer(q, lay._st.view(), scale=0.2).tobytes()
-    assert lay._st not in lay.backend._mirrors
+    a = lay.backend.attend_layer(q, lay.storage.view(), scale=0.2)
+    assert a.tobytes() == REF.attend_layer(q, lay.storage.view(), scale=0.2).tobytes()
+    assert lay.storage not in lay.backend._mirrors
 
 
 def host_backend(monkeypatch, choice):
@@ -204,7 +204,7 @@ def test_q8_appends_store_the_same_bits_with_host_rows_in_numba_and_in_numpy(dev
         b.append(k, v)
     assert len(steps) > 50   # numba's one call stored the rows past the window's first fill
     for name in ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "thk", "thv", "lens", "b8"):
-        x, y = getattr(a._st, name), getattr(b._st, name)
+        x, y = getattr(a.storage, name), getattr(b.storage, name)
         assert (x is None) == (y is None), name
         if x is not None:
             np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8), err_msg=name)

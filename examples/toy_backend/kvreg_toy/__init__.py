@@ -56,8 +56,8 @@ def _attend_f32(q, kv, g, first, n, scale, softcap, sinks, imp):
     if n == 0:
         return out
     first = min(first, n - 1)
-    keys = kv.k[g, first:n]
-    values = kv.v[g, first:n]
+    keys = kv.dense.k[g, first:n]
+    values = kv.dense.v[g, first:n]
     m_imp = 0 if imp is None else min(imp.shape[0], n)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for h in range(q.shape[0]):
