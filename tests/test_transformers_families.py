@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from kvreg.errors import ConfigError  # noqa: E402
+from kvreg.errors import ConfigError, KvregError  # noqa: E402
 from kvreg.integrations.transformers import KvregCache  # noqa: E402
 from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
@@ -249,7 +249,7 @@ def test_other_caches_run_the_models_own_attention_eager_included():
 def test_a_failed_kvreg_forward_leaves_the_config_as_configured(models):
     model = _model(models, "llama")
     cache = KvregCache(model, mode="f32")
-    with pytest.raises(ConfigError, match="batch"), torch.no_grad():
+    with pytest.raises(KvregError, match="batch"), torch.no_grad():
         model(input_ids=_ids(8), use_cache=True, **{_kw(model): cache})
         model(input_ids=_ids(1, batch=2), use_cache=True, **{_kw(model): cache})
     assert model.config._attn_implementation == "sdpa"
@@ -262,6 +262,19 @@ def test_update_outside_the_models_forward_is_refused(models):
     with pytest.raises(ConfigError, match="outside a forward"):
         cache.update(k, k, 0)
     assert cache.get_seq_length() == 0
+
+
+def test_a_mask_kvreg_would_not_follow_is_refused_before_the_layer_changes(models):
+    # Padding between a sequence's tokens under a sliding window: the mask's
+    # window counts columns, pads included; kvreg's counts stored tokens.
+    model = _model(models, "mistral")
+    ids = _ids(30, seed=12)
+    mask = torch.ones_like(ids)
+    mask[0, 10:18] = 0
+    cache = KvregCache(model, mode="f32")
+    with pytest.raises(ConfigError, match="mask"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{_kw(model): cache})
+    assert cache.sequences[0].layers[0].seq_len == 0
 
 
 # ── refusals at construction ──
@@ -290,7 +303,7 @@ def test_alibi_and_hybrid_models_are_refused_at_construction():
     assert "attention interface" in why
     why = _refused("BambaConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_layer_indices=[1],
-                   mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2)
+                   mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2)
     assert "hybrid" in why
 
 

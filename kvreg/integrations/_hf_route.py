@@ -101,7 +101,7 @@ def read_call(module, kwargs: dict) -> Call:
     if kwargs.get("dropout"):
         raise ConfigError(f"KvregCache: attention dropout {kwargs['dropout']} ({type(module).__name__} in training "
                           "mode); kvreg serves inference: call model.eval()")
-    if kwargs.get("is_causal") is False:
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise ConfigError(f"KvregCache: {type(module).__name__} runs bidirectional attention (is_causal=False); "
                           "kvreg serves causal decoders")
     for k in _PACKED:
@@ -293,6 +293,7 @@ class _ProbeCache(RoutedCache):
         super().__init__(layer_class_to_replicate=_ProbeLayer)
         self.updates: dict = {}      # layer -> [(key shape, value shape)]
         self.calls: dict = {}        # layer -> [(query shape, Call, mask dtype or None)]
+        self.bidirectional: set = set()   # layers whose mask lets a token see later ones
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.updates.setdefault(layer_idx, []).append((tuple(key_states.shape), tuple(value_states.shape)))
@@ -301,6 +302,12 @@ class _ProbeCache(RoutedCache):
 
     def _attend(self, layer_idx, query, key, value, mask, call: Call):
         self.calls.setdefault(layer_idx, []).append((tuple(query.shape), call, None if mask is None else mask.dtype))
+        if mask is not None and mask.dtype == torch.bool and mask.ndim == 4 and query.shape[2] > 1:
+            # a query row that sees a column after its own: bidirectional
+            q = query.shape[2]
+            later = torch.ones(q, q, dtype=torch.bool).triu(1)
+            if bool((mask[..., -q:] & later).any()):
+                self.bidirectional.add(layer_idx)
         b, nh, n, _ = query.shape
         return query.new_zeros((b, n, nh, value.shape[-1])), None
 
@@ -315,18 +322,27 @@ def _refuse(model, why: str):
     return ConfigError(f"KvregCache cannot serve {type(model).__name__} exactly: {why}")
 
 
+def _attr(config, name: str):
+    """A config value, or None (a per-layer attribute read globally raises
+    in some configs: the probe reads those layers as they run)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        return None
+
+
 def _static_refusals(model, text) -> None:
     config = model.config
-    if getattr(config, "is_encoder_decoder", False):
+    if _attr(config, "is_encoder_decoder"):
         raise _refuse(model, "an encoder-decoder model (its cross-attention keys come from the encoder, not a "
                              "per-token cache); kvreg serves decoder-only causal LMs")
-    if getattr(text, "add_cross_attention", False):
+    if _attr(text, "add_cross_attention"):
         raise _refuse(model, "its layers have cross-attention; kvreg serves decoder-only causal LMs")
-    if getattr(text, "kv_lora_rank", None):
+    if _attr(text, "kv_lora_rank"):
         raise _refuse(model, "multi-head latent attention (MLA): transformers caches the compressed latent, not "
                              "per-head keys and values")
-    types = set(getattr(text, "layer_types", None) or ())
-    if "chunked_attention" in types or getattr(text, "attention_chunk_size", None):
+    types = set(_attr(text, "layer_types") or ())
+    if "chunked_attention" in types or _attr(text, "attention_chunk_size"):
         raise _refuse(model, "chunked attention (each token sees its own chunk); kvreg's windows slide")
     stateful = sorted(types & _STATEFUL_TYPES)
     if stateful:
@@ -344,7 +360,7 @@ def probe(model) -> ModelShape:
     _static_refusals(model, text)
     if not isinstance(model, PreTrainedModel):
         raise _refuse(model, "not a transformers PreTrainedModel")
-    vocab = int(getattr(text, "vocab_size", 0) or getattr(model.config, "vocab_size", 0) or 2)
+    vocab = int(_attr(text, "vocab_size") or _attr(model.config, "vocab_size") or 2)
     ids = (torch.arange(5) * 7 + 3).remainder(vocab)[None]
     cache = _ProbeCache()
     kw = cache_keyword(model)
@@ -365,6 +381,9 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
     if not cache.calls:
         raise _refuse(model, "no layer attended through transformers' attention interface with this cache "
                              "(a recurrent or state-space model, or attention computed inside the model)")
+    if cache.bidirectional:
+        raise _refuse(model, f"layer {min(cache.bidirectional)}'s mask lets a token see later tokens "
+                             "(bidirectional attention); kvreg serves causal decoders")
     layers = {}
     for i, calls in sorted(cache.calls.items()):
         updates = cache.updates.get(i, [])
@@ -389,16 +408,19 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
         raise _refuse(model, f"its layers differ in (query heads, KV heads, head_dim): {sorted(geometry)}; a "
                              "KvregCache holds one geometry")
     (heads, kv_heads, head_dim), = geometry
-    n = max(int(getattr(text, "num_hidden_layers", 0) or 0), max(layers) + 1)
-    types = getattr(text, "layer_types", None) or []
-    config_window = getattr(text, "sliding_window", None)
+    n = max(int(_attr(text, "num_hidden_layers") or 0), max(layers) + 1)
+    types = _attr(text, "layer_types") or []
+    config_window = _attr(text, "sliding_window")
     windows = []
     for i in range(n):
         s = layers.get(i)
         if s is not None and s.window is not None:
             windows.append(s.window)
-        elif i < len(types) and types[i] == "sliding_attention" and config_window:
-            windows.append(int(config_window))
+        elif i < len(types) and types[i] == "sliding_attention":
+            if not isinstance(config_window, int):
+                raise _refuse(model, f"layer {i} is a sliding layer whose window neither its attention call nor "
+                                     "its config states")
+            windows.append(config_window)
         else:
             windows.append(None)
     return ModelShape(n, heads, kv_heads, head_dim, windows, softcap=any(s.softcap for s in layers.values()),

@@ -3,8 +3,24 @@
 .. code-block:: python
 
     from kvreg.integrations.transformers import KvregCache
-    cache = KvregCache(model, mode="q8")          # switches the model's attention to kvreg
+    cache = KvregCache(model, mode="q8")   # refuses here a model it cannot serve exactly
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64, do_sample=False)
+
+Which models: any causal LM whose layers attend through transformers'
+attention interface with per-head keys and values: GQA, MQA and multi-head
+attention (a config without ``num_key_value_heads``), sliding windows per
+layer or per call, attention logit soft-capping (Gemma 2), learned sinks
+(GPT-OSS), scaling multipliers, partial rotary and NoPE layers, fused QKV,
+QK-norm, mixture-of-experts blocks. The constructor runs a forward of a few
+tokens through a recording cache (once per model) and reads what each layer
+hands its cache and its attention function; it refuses, with the reason, a
+model kvreg cannot serve exactly: latent attention (MLA: transformers caches
+the compressed latent), cross-attention and encoder-decoder models, hybrid
+models with recurrent or state-space layers, chunked attention, biases
+added to the scores (ALiBi, relative positions), keys shared across layers,
+layers of different geometry, attention computed outside the interface.
+:data:`SUPPORTED` lists the families the tests measure against
+``DynamicCache``.
 
 How it fits transformers (5.x):
 
@@ -18,9 +34,17 @@ How it fits transformers (5.x):
   attends there: ``attend_chunk`` for a prefill chunk, ``attend_layer`` for a
   decode step, on the selected backend. Masks for ``"kvreg"`` are registered
   too (``AttentionMaskInterface``, the SDPA boolean mask), so padding is seen.
-- Keys that carry no kvreg tag (the same model run with a ``DynamicCache``,
-  or no cache) go to transformers' SDPA function unchanged: switching a model
-  to ``"kvreg"`` changes nothing for callers that do not use a ``KvregCache``.
+- Per call: building a ``KvregCache`` leaves the model's configuration as it
+  was. The model gets forward hooks (once); a forward handed a
+  ``KvregCache`` reads ``"kvreg"`` as its attention implementation for its
+  duration, every other forward (another cache, no cache) runs the
+  implementation the model was configured with (eager, sdpa, ...), bit for
+  bit. A forward of the same model in another thread meanwhile is handed on
+  to the configured functions too (:mod:`kvreg.integrations._hf_route`).
+- Soft-cap and sinks: the call's ``softcap`` and learned sinks (``s_aux``,
+  one logit per query head, read from the model at each call) go to
+  kvreg's decode kernels; a prefill chunk of such a layer is appended and
+  attended a row at a time (``attend_chunk`` takes neither).
 - Batches: one :class:`kvreg.KvCache` per sequence. Padded columns (the
   attention mask's all-false columns: left padding) are not stored, so each
   sequence's cache holds exactly its own tokens and answers as a batch-1 run.
@@ -59,9 +83,10 @@ How it fits transformers (5.x):
   and queries are converted to float32 on the way in, and the attention
   output is converted back to the model's dtype.
 
-Unsupported (a :class:`~kvreg.errors.ConfigError` naming what is supported):
-model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
-(``reorder_cache``), cropping a bounded, sealed, sliding or padded cache.
+Unsupported (a :class:`~kvreg.errors.ConfigError` naming why): the models
+above, tensors off the CPU, training (attention dropout), packed sequences,
+beam search (``reorder_cache``), the O(1) seal on a model with soft-cap or
+sinks, cropping a bounded, sealed, sliding or padded cache.
 """
 
 from __future__ import annotations
@@ -262,11 +287,12 @@ class KvregCache(R.RoutedCache):
         self.head_dim = shape.head_dim
         self.windows = list(shape.windows)
         self._router = R.router_for(model)
-        self._sinks: dict = {}   # layer index -> (the model's sinks tensor, its version, float32 logits)
+        self._sinks: dict = {}   # layer index -> the model's sink logits, float32, as last read
         # One sequence now: a bad mode, backend or geometry fails here, not at
         # the first token. The first forward sizes the list to its batch.
         self._seqs: list[KvCache] = [self._new_sequence()]
         self._mask_memo = None   # (mask, whether its new column is attended): _new_column
+        self._masks_checked: list = []   # (mask, window) pairs _check_mask passed, newest first
         self._steps: dict = {}   # layer index -> its decode step and output: _decode_step
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
@@ -511,6 +537,7 @@ class KvregCache(R.RoutedCache):
                                         _host(value)[0], scale, window, softcap)[None]
             out = torch.from_numpy(out)
             return (out if query.dtype == torch.float32 else out.to(query.dtype)), None
+        self._check_mask(mask, layer_idx, window, q_len)
         with torch.no_grad():
             q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
             # K/V stay head-major [b, kvh, n, hd], the storage's layout: a
@@ -543,18 +570,48 @@ class KvregCache(R.RoutedCache):
                     out[b, cols.numpy()] = res
             return torch.from_numpy(np.zeros(shape, dtype=np.float32) if out is None else out).to(query.dtype), None
 
+    def _check_mask(self, mask, layer_idx: int, window: int | None, q_len: int) -> None:
+        """Refuse a mask that asks for other columns than kvreg attends,
+        before this layer stores anything: each real query row must see
+        every position its sequence stored so far, newest ``window`` only
+        (a chunked or bidirectional pattern, padding between tokens under a
+        window, a window other than the layer's). Once per mask and window
+        (the layers of a forward share their masks)."""
+        if mask is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4:
+            return
+        if any(m is mask and w == window for m, w in self._masks_checked):
+            return
+        m = mask[:, 0]
+        new = m[..., -q_len:].any(dim=1)                      # [B, q]: the real tokens among the new columns
+        before = torch.tensor([seq.layers[layer_idx].pos_len for seq in self._seqs])
+        want = before[:, None] + new.cumsum(-1)
+        if window is not None:
+            want = want.clamp(max=window)
+        got = m.sum(-1)
+        bad = new & (got != want)
+        if bool(bad.any()):
+            b, i = (int(x) for x in torch.nonzero(bad)[0])
+            span = f"the newest {window}" if window is not None else "every one"
+            raise ConfigError(f"KvregCache: layer {layer_idx}'s mask lets token {i} of sequence {b} see "
+                              f"{int(got[b, i])} positions where kvreg attends {int(want[b, i])} ({span} its "
+                              "sequence stored): a chunked or bidirectional pattern, padding between tokens "
+                              "under a window, or a window other than the layer's")
+        self._masks_checked = [(mask, window)] + self._masks_checked[:3]
+
     def _set_sinks(self, layer_idx: int, sinks) -> None:
         """The model's learned sink logits (one per query head) as every
-        sequence's layer's ``sinks``, which each attend reads (converted
-        once per change of the parameter, not per token)."""
-        memo = self._sinks.get(layer_idx)
-        if memo is None or memo[0] is not sinks or memo[1] != sinks._version:
-            logits = sinks.detach().to(torch.float32).reshape(-1).numpy().copy()
-            memo = self._sinks[layer_idx] = (sinks, sinks._version, logits)
+        sequence's layer's ``sinks``, which each attend reads. Compared by
+        value at each call: an edit through ``param.data`` leaves the
+        parameter's version counter as it was."""
+        cur = sinks.detach()
+        cur = (cur if cur.dtype == torch.float32 else cur.to(torch.float32)).reshape(-1).numpy()
+        logits = self._sinks.get(layer_idx)
+        if logits is None or not np.array_equal(logits, cur):
+            logits = self._sinks[layer_idx] = cur.copy()
         for seq in self._seqs:
             layer = seq.layers[layer_idx]
-            if layer.sinks is not memo[2]:
-                layer.sinks = memo[2]
+            if layer.sinks is not logits:
+                layer.sinks = logits
 
     def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window,
                          softcap: float = 0.0) -> np.ndarray:
