@@ -224,26 +224,31 @@ def test_a_changed_sink_parameter_reaches_the_next_step(models):
 # ── scoped switching ──
 
 
-def test_other_caches_run_the_models_own_attention_eager_included():
+def test_other_caches_run_the_models_own_attention_eager_included(monkeypatch):
     # Gemma 2 loaded with eager attention: building a KvregCache and running
     # it leaves the config as it was, and a DynamicCache forward afterwards
-    # is bit for bit the eager forward before (SDPA's bits differ).
+    # runs Gemma 2's eager attention, bit for bit as before.
+    from transformers.models.gemma2 import modeling_gemma2
+
     model = tiny_model("gemma2", attn_implementation="eager")
     ids = _ids(24, seed=10)
     kw = _kw(model)
+    eager_calls = []
+    eager = modeling_gemma2.eager_attention_forward
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward",
+                        lambda *a, **k: (eager_calls.append(1), eager(*a, **k))[1])
     with torch.no_grad():
         before = model(input_ids=ids, use_cache=True, **{kw: DynamicCache(config=model.config)}).logits
         cache = KvregCache(model, mode="f32")
         assert model.config._attn_implementation == "eager"
         model(input_ids=ids, use_cache=True, **{kw: cache})
         assert model.config._attn_implementation == "eager"
+        eager_calls.clear()
         after = model(input_ids=ids, use_cache=True, **{kw: DynamicCache(config=model.config)}).logits
+        assert len(eager_calls) == model.config.num_hidden_layers
         no_cache = model(input_ids=ids, use_cache=False).logits
-        model.config._attn_implementation = "sdpa"
-        sdpa = model(input_ids=ids, use_cache=True, **{kw: DynamicCache(config=model.config)}).logits
     assert torch.equal(before, after)
-    assert torch.allclose(no_cache, before, atol=1e-5)
-    assert not torch.equal(sdpa, before), "eager and sdpa agree bit for bit: the test cannot tell them apart"
+    assert torch.equal(no_cache, before)
 
 
 def test_a_failed_kvreg_forward_leaves_the_config_as_configured(models):

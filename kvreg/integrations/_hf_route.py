@@ -346,7 +346,8 @@ def _static_refusals(model, text) -> None:
         raise _refuse(model, "chunked attention (each token sees its own chunk); kvreg's windows slide")
     stateful = sorted(types & _STATEFUL_TYPES)
     if stateful:
-        raise _refuse(model, f"a hybrid model: layers of type {', '.join(stateful)} keep a state that is not "
+        what = "a recurrent or state-space model" if types <= _STATEFUL_TYPES else "a hybrid model"
+        raise _refuse(model, f"{what}: layers of type {', '.join(stateful)} keep a state that is not "
                              "per-head keys and values")
 
 

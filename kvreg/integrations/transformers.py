@@ -203,9 +203,6 @@ class KvregLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:
-        return -1
-
     def reset(self) -> None:
         self.seen = 0
         self.owner._reset_layer(self.index)
