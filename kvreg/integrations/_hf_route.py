@@ -79,7 +79,7 @@ def tag(cache: RoutedCache, layer_idx: int, key, value):
     return key, value
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One attention call's arguments, as kvreg reads them."""
 
@@ -336,7 +336,7 @@ def _static_refusals(model, text) -> None:
     if _attr(config, "is_encoder_decoder"):
         raise _refuse(model, "an encoder-decoder model (its cross-attention keys come from the encoder, not a "
                              "per-token cache); kvreg serves decoder-only causal LMs")
-    if _attr(text, "add_cross_attention"):
+    if _attr(text, "add_cross_attention") or _attr(text, "cross_attention_layers"):
         raise _refuse(model, "its layers have cross-attention; kvreg serves decoder-only causal LMs")
     if _attr(text, "kv_lora_rank"):
         raise _refuse(model, "multi-head latent attention (MLA): transformers caches the compressed latent, not "
@@ -376,6 +376,24 @@ def probe(model) -> ModelShape:
                              f"({type(exc).__name__}: {exc})") from exc
     router.shape = _read_probe(model, text, cache)
     return router.shape
+
+
+def _same_windows_as_dynamic_cache(model, text, windows: list) -> None:
+    """Refuse a config whose ``sliding_window`` makes transformers' own
+    caches keep a window on a layer whose attention runs without one (its
+    mask covers every token at a prefill, the cache drops old keys at a
+    decode): kvreg will not pick one of the two meanings."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(text)
+    except Exception:
+        return
+    for i, (t, kw, w) in enumerate(zip(types, kwargs, windows)):
+        cached = kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
+        if cached is not None and cached != w:
+            raise _refuse(model, f"its config's sliding window ({cached}) makes transformers' caches drop keys of "
+                                 f"layer {i}, whose attention runs {'unwindowed' if w is None else f'a window of {w}'}")
 
 
 def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
@@ -424,5 +442,6 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
             windows.append(config_window)
         else:
             windows.append(None)
+    _same_windows_as_dynamic_cache(model, text, windows)
     return ModelShape(n, heads, kv_heads, head_dim, windows, softcap=any(s.softcap for s in layers.values()),
                       sinks=any(s.sinks for s in layers.values()))
