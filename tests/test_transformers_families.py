@@ -48,6 +48,9 @@ FAMILIES = {
     # multi-head attention: the config has no num_key_value_heads at all
     "gpt_neox": ("GPTNeoXConfig", {"num_key_value_heads": None, "head_dim": None, "rotary_pct": 0.5}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # sliding layers with twice the KV heads of the global one, and sinks on them only
+    "mimo_v2_flash": ("MiMoV2FlashConfig", {"sliding_window": WINDOW, "n_routed_experts": 4,
+                                            "num_experts_per_tok": 2, "v_head_dim": 16}),
 }
 DEFAULT_TIER = ("llama", "gemma2", "gpt_oss", "gpt_neox")
 

@@ -273,10 +273,11 @@ class ModelShape:
     """A model's attention, as kvreg will serve it."""
 
     num_layers: int
-    heads: int
+    heads: int                                      # of the first attending layer
     kv_heads: int
     head_dim: int
     windows: list = field(default_factory=list)     # per layer: sliding window or None
+    geometry: list = field(default_factory=list)    # per layer: (KV heads, head_dim)
     softcap: bool = False
     sinks: bool = False
 
@@ -422,12 +423,10 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
             raise _refuse(model, f"layer {i}'s attention sinks have shape {list(call.sinks.shape)}; kvreg takes "
                                  f"one learned sink logit per query head ({qs[1]})")
         layers[i] = LayerShape(qs[1], ks[1], ks[3], call.window, call.softcap, call.sinks is not None)
-    geometry = {(s.heads, s.kv_heads, s.head_dim) for s in layers.values()}
-    if len(geometry) > 1:
-        raise _refuse(model, f"its layers differ in (query heads, KV heads, head_dim): {sorted(geometry)}; a "
-                             "KvregCache holds one geometry")
-    (heads, kv_heads, head_dim), = geometry
+    first = layers[min(layers)]
+    heads, kv_heads, head_dim = first.heads, first.kv_heads, first.head_dim
     n = max(int(_attr(text, "num_hidden_layers") or 0), max(layers) + 1)
+    geometry = [(layers[i].kv_heads, layers[i].head_dim) if i in layers else (kv_heads, head_dim) for i in range(n)]
     types = _attr(text, "layer_types") or []
     config_window = _attr(text, "sliding_window")
     windows = []
@@ -443,5 +442,5 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
         else:
             windows.append(None)
     _same_windows_as_dynamic_cache(model, text, windows)
-    return ModelShape(n, heads, kv_heads, head_dim, windows, softcap=any(s.softcap for s in layers.values()),
+    return ModelShape(n, heads, kv_heads, head_dim, windows, geometry, softcap=any(s.softcap for s in layers.values()),
                       sinks=any(s.sinks for s in layers.values()))

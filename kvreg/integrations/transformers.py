@@ -100,6 +100,7 @@ from .. import _validate as V
 from ..batch import attend_batch
 from ..cache import Born, KvCache, Recent, resident_bytes
 from ..errors import ConfigError, ShapeError
+from ..layer import LayerKvCache
 from ..lifecycle import Lifecycle
 from .._o1_layer import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
@@ -279,9 +280,12 @@ class KvregCache(R.RoutedCache):
         self.backend = backend
         self.q8_exact_rows = q8_exact_rows
         self.num_layers = shape.num_layers
+        # The first attending layer's geometry; a layer may have its own
+        # (self.geometry: KV heads and head_dim per layer).
         self.num_heads = shape.heads
         self.num_kv_heads = shape.kv_heads
         self.head_dim = shape.head_dim
+        self.geometry = list(shape.geometry)
         self.windows = list(shape.windows)
         self._router = R.router_for(model)
         self._sinks: dict = {}   # layer index -> the model's sink logits, float32, as last read
@@ -297,8 +301,13 @@ class KvregCache(R.RoutedCache):
     # ── the per-sequence kvreg caches ──
 
     def _new_sequence(self) -> KvCache:
-        return KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
-                       backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+        seq = KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
+                      backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+        for i, (kvh, hd) in enumerate(self.geometry):
+            if (kvh, hd) != (self.num_kv_heads, self.head_dim):
+                seq.layers[i] = LayerKvCache(kvh, hd, self.mode, self.backend, layer=i,
+                                             q8_exact_rows=self.q8_exact_rows)
+        return seq
 
     @property
     def backend_name(self) -> str:
@@ -457,15 +466,16 @@ class KvregCache(R.RoutedCache):
 
     def _check_states(self, layer_idx: int, key, value) -> None:
         ks = key.shape
-        if (ks == value.shape and len(ks) == 4 and ks[1] == self.num_kv_heads and ks[3] == self.head_dim
+        kvh, hd = self.geometry[layer_idx]
+        if (ks == value.shape and len(ks) == 4 and ks[1] == kvh and ks[3] == hd
                 and ks[0] == len(self._seqs) and key.is_cpu and value.is_cpu):
             return   # every decode step of every layer: nothing to refuse, no sequence to make
         for name, t in (("key_states", key), ("value_states", value)):
             if t.device.type != "cpu":
                 raise ConfigError(f"KvregCache runs on the CPU; {name} of layer {layer_idx} is on {t.device}")
-            if t.ndim != 4 or t.shape[1] != self.num_kv_heads or t.shape[3] != self.head_dim:
+            if t.ndim != 4 or t.shape[1] != kvh or t.shape[3] != hd:
                 raise ShapeError(f"{name} of layer {layer_idx} has shape {tuple(t.shape)}; expected "
-                                 f"[batch, {self.num_kv_heads}, n, {self.head_dim}]")
+                                 f"[batch, {kvh}, n, {hd}]")
         if key.shape != value.shape:
             raise ShapeError(f"key_states {tuple(key.shape)} and value_states {tuple(value.shape)} differ")
         b = int(key.shape[0])
@@ -509,8 +519,8 @@ class KvregCache(R.RoutedCache):
 
     def _attend(self, layer_idx: int, query, key, value, mask, call: R.Call):
         bsz, nh, q_len, hd = query.shape
-        if nh % self.num_kv_heads:
-            raise ShapeError(f"{nh} query heads are not a multiple of {self.num_kv_heads} KV heads")
+        if nh % self.geometry[layer_idx][0]:
+            raise ShapeError(f"{nh} query heads are not a multiple of {self.geometry[layer_idx][0]} KV heads")
         window = self.windows[layer_idx] if call.window is None else call.window
         scale, softcap = call.scale, call.softcap
         if call.sinks is not None:
@@ -573,8 +583,11 @@ class KvregCache(R.RoutedCache):
         every position its sequence stored so far, newest ``window`` only
         (a chunked or bidirectional pattern, padding between tokens under a
         window, a window other than the layer's). Once per mask and window
-        (the layers of a forward share their masks)."""
-        if mask is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4:
+        (the layers of a forward share their masks). A budget or the seal
+        drops rows where a layer's ``pos_len`` no longer counts its
+        sequence's tokens: not checked there."""
+        if mask is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4 \
+                or self.budget is not None or self.o1 is not None:
             return
         if any(m is mask and w == window for m, w in self._masks_checked):
             return
@@ -644,7 +657,7 @@ class KvregCache(R.RoutedCache):
             layer.extend(k, v, layout="hnd")
             # Importance is read by Born eviction and the tiered seal only: a
             # plain cache skips its column sums (2 % of a 4k prefill).
-            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window,
+            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // layer.num_kv_heads, scale=scale, window=window,
                                      importance=born or self.o1 is not None)
         self._bound(layer, window)
         return out
