@@ -254,6 +254,50 @@ def test_other_caches_run_the_models_own_attention_eager_included(monkeypatch):
     assert torch.equal(no_cache, before)
 
 
+def test_a_forward_in_another_thread_meanwhile_runs_as_configured(monkeypatch):
+    # While one thread's kvreg forward has the config switched, another
+    # thread's DynamicCache forward of the same model gets the configured
+    # (eager) mask and attention: the same logits as alone.
+    import threading
+
+    model = tiny_model("gemma2", attn_implementation="eager")
+    ids = _ids(24, seed=13)
+    kw = _kw(model)
+    with torch.no_grad():
+        alone = model(input_ids=ids, use_cache=True, **{kw: DynamicCache(config=model.config)}).logits
+    inside, release = threading.Event(), threading.Event()
+    real = KvregCache._attend
+
+    def held(self, *a, **k):
+        inside.set()
+        release.wait(30)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(KvregCache, "_attend", held)
+    cache = KvregCache(model, mode="f32")
+    errors = []
+
+    def kvreg_forward():
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=True, **{kw: cache})
+        except Exception as exc:   # pragma: no cover - reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=kvreg_forward)
+    worker.start()
+    try:
+        assert inside.wait(30)
+        assert model.config._attn_implementation == "kvreg"    # the other thread's forward, meanwhile
+        with torch.no_grad():
+            meanwhile = model(input_ids=ids, use_cache=True, **{kw: DynamicCache(config=model.config)}).logits
+    finally:
+        release.set()
+        worker.join(30)
+    assert not errors and torch.equal(meanwhile, alone)
+    assert model.config._attn_implementation == "eager" and cache.get_seq_length() == 24
+
+
 def test_a_failed_kvreg_forward_leaves_the_config_as_configured(models):
     model = _model(models, "llama")
     cache = KvregCache(model, mode="f32")

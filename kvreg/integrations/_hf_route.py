@@ -407,6 +407,9 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
     layers = {}
     for i, calls in sorted(cache.calls.items()):
         updates = cache.updates.get(i, [])
+        if len(calls) > len(updates):
+            raise _refuse(model, f"layers attend the keys layer {i} stored (keys shared across layers); each "
+                                 "layer of a KvregCache attends its own keys")
         if len(updates) != 2 or len(calls) != 2:
             raise _refuse(model, f"layer {i} stored {len(updates)} and attended {len(calls)} times in two "
                                  "forwards; kvreg serves one cache update and one attention per layer and forward")
