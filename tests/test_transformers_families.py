@@ -80,10 +80,11 @@ def models():
     _MODELS.clear()
 
 
-def _model(models, family):
-    if family not in models:
-        models[family] = tiny_model(family)
-    return models[family]
+def _model(models, family, attn_implementation=None):
+    key = family if attn_implementation is None else (family, attn_implementation)
+    if key not in models:
+        models[key] = tiny_model(family, attn_implementation)
+    return models[key]
 
 
 def _kw(model) -> str:
@@ -227,13 +228,13 @@ def test_a_changed_sink_parameter_reaches_the_next_step(models):
 # ── scoped switching ──
 
 
-def test_other_caches_run_the_models_own_attention_eager_included(monkeypatch):
+def test_other_caches_run_the_models_own_attention_eager_included(models, monkeypatch):
     # Gemma 2 loaded with eager attention: building a KvregCache and running
     # it leaves the config as it was, and a DynamicCache forward afterwards
     # runs Gemma 2's eager attention, bit for bit as before.
     from transformers.models.gemma2 import modeling_gemma2
 
-    model = tiny_model("gemma2", attn_implementation="eager")
+    model = _model(models, "gemma2", "eager")
     ids = _ids(24, seed=10)
     kw = _kw(model)
     eager_calls = []
@@ -254,13 +255,13 @@ def test_other_caches_run_the_models_own_attention_eager_included(monkeypatch):
     assert torch.equal(no_cache, before)
 
 
-def test_a_forward_in_another_thread_meanwhile_runs_as_configured(monkeypatch):
+def test_a_forward_in_another_thread_meanwhile_runs_as_configured(models, monkeypatch):
     # While one thread's kvreg forward has the config switched, another
     # thread's DynamicCache forward of the same model gets the configured
     # (eager) mask and attention: the same logits as alone.
     import threading
 
-    model = tiny_model("gemma2", attn_implementation="eager")
+    model = _model(models, "gemma2", "eager")
     ids = _ids(24, seed=13)
     kw = _kw(model)
     with torch.no_grad():

@@ -50,8 +50,9 @@ KNOWN_KWARGS = frozenset({
     "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "use_cache",
     "cache_position", "position_embeddings", "output_hidden_states", "return_dict"})
 _REFUSED_KWARGS = frozenset({"position_bias", "indices", "block_indices", "alibi", "head_mask", "attention_bias",
-                             "relative_position_bias", "deterministic"})
-#: Of those, the ones that must be None (packed sequences: kvreg stores one sequence per batch row).
+                             "relative_position_bias"})
+#: Known keywords that must be None: packed sequences (kvreg stores one
+#: sequence per batch row).
 _PACKED = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 #: Layer types whose state is not per-head keys and values.
@@ -93,7 +94,8 @@ def read_call(module, kwargs: dict) -> Call:
     """The arguments kvreg implements, after refusing any it does not."""
     extra = kwargs.keys() - KNOWN_KWARGS
     if extra:
-        live = sorted(k for k in extra if kwargs[k] is not None and (k in _REFUSED_KWARGS or _holds_tensor(kwargs[k])))
+        live = sorted(k for k in extra
+                      if kwargs[k] is not None and (k in _REFUSED_KWARGS or _holds_tensor(kwargs[k])))
         if live:
             raise ConfigError(f"KvregCache: {type(module).__name__} passes {', '.join(live)} to its attention "
                               "function, which kvreg does not implement (relative position biases, sparse or "
@@ -180,13 +182,11 @@ def router_for(model) -> Router:
     """The model's router, made (and its hooks installed) on first use."""
     router = model.__dict__.get("_kvreg_router")
     if router is None:
-        text = model.config.get_text_config(decoder=True)
-        configs = [text]
-        for m in model.modules():
-            c = getattr(m, "config", None)
-            if c is not None and getattr(m, "layer_idx", None) is not None and all(c is not x for x in configs):
-                configs.append(c)
-        router = Router(configs)
+        # The decoder's config only: a vision tower keeps its own. A layer
+        # reading another config object would attend a kvreg cache's keys
+        # with another implementation; the probe sees it stored keys it
+        # never attended through kvreg, and refuses the model.
+        router = Router([model.config.get_text_config(decoder=True)])
         for m in [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]:
             m.register_forward_pre_hook(router.pre, with_kwargs=True)
             m.register_forward_hook(router.post, with_kwargs=True, always_call=True)
@@ -404,6 +404,11 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
     if cache.bidirectional:
         raise _refuse(model, f"layer {min(cache.bidirectional)}'s mask lets a token see later tokens "
                              "(bidirectional attention); kvreg serves causal decoders")
+    unattended = sorted(set(cache.updates) - set(cache.calls))
+    if unattended:
+        raise _refuse(model, f"layer {unattended[0]} stores keys it does not attend through transformers' "
+                             "attention interface (attention computed inside the layer, or read through another "
+                             "configuration)")
     layers = {}
     for i, calls in sorted(cache.calls.items()):
         updates = cache.updates.get(i, [])
