@@ -48,6 +48,8 @@ FAMILIES = {
     # multi-head attention: the config has no num_key_value_heads at all
     "gpt_neox": ("GPTNeoXConfig", {"num_key_value_heads": None, "head_dim": None, "rotary_pct": 0.5}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # an encoder family run as a causal decoder: absolute positions, post-norm
+    "bert_decoder": ("BertConfig", {"is_decoder": True, "num_key_value_heads": None, "head_dim": None}),
     # sliding layers with twice the KV heads of the global one, and sinks on them only
     "mimo_v2_flash": ("MiMoV2FlashConfig", {"sliding_window": WINDOW, "n_routed_experts": 4,
                                             "num_experts_per_tok": 2, "v_head_dim": 16}),
@@ -348,6 +350,13 @@ def test_latent_attention_is_refused_at_construction():
                    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                    n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1)
     assert "latent" in why
+
+
+def test_bidirectional_attention_is_refused_at_construction():
+    # BERT as an encoder: every token sees the later ones
+    why = _refused("BertConfig", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   vocab_size=128)
+    assert "bidirectional" in why
 
 
 @pytest.mark.model_families

@@ -368,8 +368,11 @@ def probe(model) -> ModelShape:
     kw = cache_keyword(model)
     try:
         with torch.no_grad():
-            model(input_ids=ids[:, :4], use_cache=True, **{kw: cache})
-            model(input_ids=ids[:, 4:], use_cache=True, **{kw: cache})
+            # an attention mask, as generate passes one: the masks the layers
+            # get are materialized, so a bidirectional one shows
+            ones = torch.ones_like(ids)
+            model(input_ids=ids[:, :4], attention_mask=ones[:, :4], use_cache=True, **{kw: cache})
+            model(input_ids=ids[:, 4:], attention_mask=ones, use_cache=True, **{kw: cache})
     except ConfigError as exc:
         raise _refuse(model, str(exc).removeprefix("KvregCache: ")) from exc
     except Exception as exc:
