@@ -11,14 +11,15 @@ attention interface with per-head keys and values: GQA, MQA and multi-head
 attention (a config without ``num_key_value_heads``), sliding windows per
 layer or per call, attention logit soft-capping (Gemma 2), learned sinks
 (GPT-OSS), scaling multipliers, partial rotary and NoPE layers, fused QKV,
-QK-norm, mixture-of-experts blocks. The constructor runs a forward of a few
+QK-norm, mixture-of-experts blocks, layers of different KV heads or head_dim
+(:attr:`KvregCache.geometry`). The constructor runs a forward of a few
 tokens through a recording cache (once per model) and reads what each layer
 hands its cache and its attention function; it refuses, with the reason, a
 model kvreg cannot serve exactly: latent attention (MLA: transformers caches
 the compressed latent), cross-attention and encoder-decoder models, hybrid
 models with recurrent or state-space layers, chunked attention, biases
-added to the scores (ALiBi, relative positions), keys shared across layers,
-layers of different geometry, attention computed outside the interface.
+added to the scores (ALiBi, relative positions), bidirectional attention,
+keys shared across layers, attention computed outside the interface.
 :data:`SUPPORTED` lists the families the tests measure against
 ``DynamicCache``.
 
