@@ -137,6 +137,8 @@ SUPPORTED = {
     "gpt_oss": "GPT-OSS: learned attention sinks, mixture of experts, sliding layers",
     "gpt_neox": "GPT-NeoX / Pythia: multi-head attention, partial rotary, fused QKV",
     "mixtral": "Mixtral: mixture of experts",
+    "mimo_v2_flash": "MiMo-V2-Flash: KV heads per layer, sinks on the sliding layers only",
+    "bert": "BERT run as a decoder (is_decoder=True): absolute positions, post-norm",
 }
 
 #: Rows a sliding layer may hold beyond ``window - 1`` before it is trimmed.
