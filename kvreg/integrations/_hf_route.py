@@ -239,6 +239,9 @@ def kvreg_mask(*args, **kwargs):
     all-false columns are the padding kvreg does not store); the configured
     implementation's mask for any other forward."""
     if in_kvreg_forward():
+        seen = getattr(_local, "mask_windows", None)
+        if seen is not None:                      # the probe's forward: which windows its masks slide
+            seen.add(kwargs.get("local_size"))
         return sdpa_mask(*args, **kwargs)
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -282,19 +285,16 @@ class ModelShape:
     sinks: bool = False
 
 
-class _ProbeLayer(DynamicLayer):
-    pass
-
-
 class _ProbeCache(RoutedCache):
     """Records what each layer hands its cache and its attention function;
     answers zeros (the probe reads the calls, not the text)."""
 
     def __init__(self):
-        super().__init__(layer_class_to_replicate=_ProbeLayer)
+        super().__init__(layer_class_to_replicate=DynamicLayer)
         self.updates: dict = {}      # layer -> [(key shape, value shape)]
         self.calls: dict = {}        # layer -> [(query shape, Call, mask dtype or None)]
         self.bidirectional: set = set()   # layers whose mask lets a token see later ones
+        self.mask_windows: set = set()    # the windows the forward's masks slide (None: unwindowed)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.updates.setdefault(layer_idx, []).append((tuple(key_states.shape), tuple(value_states.shape)))
@@ -366,6 +366,7 @@ def probe(model) -> ModelShape:
     ids = (torch.arange(5) * 7 + 3).remainder(vocab)[None]
     cache = _ProbeCache()
     kw = cache_keyword(model)
+    _local.mask_windows = cache.mask_windows
     try:
         with torch.no_grad():
             # an attention mask, as generate passes one: the masks the layers
@@ -378,26 +379,24 @@ def probe(model) -> ModelShape:
     except Exception as exc:
         raise _refuse(model, f"its forward needs what a per-head key/value cache does not hold "
                              f"({type(exc).__name__}: {exc})") from exc
+    finally:
+        _local.mask_windows = None
     router.shape = _read_probe(model, text, cache)
     return router.shape
 
 
-def _same_windows_as_dynamic_cache(model, text, windows: list) -> None:
-    """Refuse a config whose ``sliding_window`` makes transformers' own
-    caches keep a window on a layer whose attention runs without one (its
-    mask covers every token at a prefill, the cache drops old keys at a
-    decode): kvreg will not pick one of the two meanings."""
-    try:
-        from transformers.cache_utils import get_layer_types_and_kwargs
+def _cached_windows(text, n: int) -> list:
+    """Per layer, the window transformers' own ``DynamicCache`` keeps for
+    this config (None: every key), which a model whose attention call names
+    no window applies through its masks."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
 
+    try:
         types, kwargs = get_layer_types_and_kwargs(text)
     except Exception:
-        return
-    for i, (t, kw, w) in enumerate(zip(types, kwargs, windows)):
-        cached = kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
-        if cached is not None and cached != w:
-            raise _refuse(model, f"its config's sliding window ({cached}) makes transformers' caches drop keys of "
-                                 f"layer {i}, whose attention runs {'unwindowed' if w is None else f'a window of {w}'}")
+        types, kwargs = [], []
+    windows = [kw.get("sliding_window") if t == "sliding_attention" else None for t, kw in zip(types, kwargs)]
+    return (windows + [None] * n)[:n]
 
 
 def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
@@ -439,19 +438,20 @@ def _read_probe(model, text, cache: _ProbeCache) -> ModelShape:
     n = max(int(_attr(text, "num_hidden_layers") or 0), max(layers) + 1)
     geometry = [(layers[i].kv_heads, layers[i].head_dim) if i in layers else (kv_heads, head_dim) for i in range(n)]
     types = _attr(text, "layer_types") or []
-    config_window = _attr(text, "sliding_window")
+    cached = _cached_windows(text, n)
     windows = []
     for i in range(n):
-        s = layers.get(i)
-        if s is not None and s.window is not None:
-            windows.append(s.window)
-        elif i < len(types) and types[i] == "sliding_attention":
-            if not isinstance(config_window, int):
-                raise _refuse(model, f"layer {i} is a sliding layer whose window neither its attention call nor "
-                                     "its config states")
-            windows.append(config_window)
-        else:
-            windows.append(None)
-    _same_windows_as_dynamic_cache(model, text, windows)
+        called = layers[i].window if i in layers else None
+        if called is not None and cached[i] is not None and called != cached[i]:
+            raise _refuse(model, f"layer {i} attends a window of {called} where its config makes transformers' "
+                                 f"caches keep {cached[i]}; kvreg will not pick one")
+        if called is None and cached[i] is not None and cached[i] not in cache.mask_windows:
+            raise _refuse(model, f"its config makes transformers' caches keep a window of {cached[i]} on layer {i}, "
+                                 "whose attention and masks run unwindowed; kvreg will not pick one")
+        window = called if called is not None else cached[i]
+        if window is None and i < len(types) and types[i] == "sliding_attention":
+            raise _refuse(model, f"layer {i} is a sliding layer whose window neither its attention call nor its "
+                                 "config states")
+        windows.append(None if window is None else int(window))
     return ModelShape(n, heads, kv_heads, head_dim, windows, geometry, softcap=any(s.softcap for s in layers.values()),
                       sinks=any(s.sinks for s in layers.values()))

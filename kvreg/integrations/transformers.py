@@ -139,6 +139,7 @@ SUPPORTED = {
     "mixtral": "Mixtral: mixture of experts",
     "mimo_v2_flash": "MiMo-V2-Flash: KV heads per layer, sinks on the sliding layers only",
     "bert": "BERT run as a decoder (is_decoder=True): absolute positions, post-norm",
+    "phimoe": "Phi-3.5-MoE: a sliding window its masks apply",
 }
 
 #: Rows a sliding layer may hold beyond ``window - 1`` before it is trimmed.
@@ -589,8 +590,18 @@ class KvregCache(R.RoutedCache):
         (the layers of a forward share their masks). A budget or the seal
         drops rows where a layer's ``pos_len`` no longer counts its
         sequence's tokens: not checked there."""
-        if mask is None or not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4 \
-                or self.budget is not None or self.o1 is not None:
+        if self.budget is not None or self.o1 is not None:
+            return
+        if mask is None:
+            # no mask: full causal attention (SDPA's skip), which a window
+            # kvreg applies past its length would not be
+            if window is not None and q_len > 1 and any(seq.layers[layer_idx].pos_len + q_len > window
+                                                        for seq in self._seqs):
+                raise ConfigError(f"KvregCache: layer {layer_idx} has no mask for a {q_len}-token step past its "
+                                  f"window of {window}: its attention covers every token, kvreg's the newest "
+                                  f"{window}")
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4:
             return
         if any(m is mask and w == window for m, w in self._masks_checked):
             return
