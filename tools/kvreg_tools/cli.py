@@ -37,12 +37,16 @@ def _cmd_eval(args) -> int:
     return eval_main(args)
 
 
+_MODEL_HELP = "a checkpoint directory (save_pretrained, with its tokenizer), a .gguf file or a bundled model"
+
+
 def register_generate(sub) -> None:
     from kvreg.models import MODELS
     from kvreg_tools.generate import DEFAULT_PROMPT
 
     gp = sub.add_parser("generate", help="text from a real model through kvreg, beside DynamicCache")
-    gp.add_argument("--model", default="smollm2-135m", choices=list(MODELS))
+    gp.add_argument("--model", default="smollm2-135m", metavar="NAME|DIR|FILE.gguf",
+                    help=f"{_MODEL_HELP}: {', '.join(MODELS)} (default: %(default)s)")
     gp.add_argument("--prompt", default=DEFAULT_PROMPT, help="the user message")
     gp.add_argument("--tokens", type=int, default=64)
     gp.add_argument("--kv", default=None, help="KV mode (default: KVREG_KV, else f32)")
@@ -55,7 +59,8 @@ def register_eval(sub) -> None:
     from kvreg_tools.evaluation import DEFAULT_CONFIGS
 
     ep = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of cache configs on a real model")
-    ep.add_argument("--model", default="smollm2-135m", choices=list(MODELS) + ["all"])
+    ep.add_argument("--model", default="smollm2-135m", metavar="NAME|DIR|FILE.gguf",
+                    help=f"{_MODEL_HELP}: {', '.join(MODELS)}, or all of those (default: %(default)s)")
     ep.add_argument("--text", action="append", default=None, metavar="FILE",
                     help="text file (repeatable; default: CPython's textwrap.py)")
     ep.add_argument("--configs", default=DEFAULT_CONFIGS,
