@@ -10,6 +10,7 @@ test`` then ``make test-full`` run every test once.
 
 from __future__ import annotations
 
+import pytest
 from kvreg_conformance.plugin import profile
 
 #: The slow kinds, each a registered marker (pyproject.toml) of the full tier.
@@ -31,3 +32,19 @@ def pytest_report_header(config):
     if profile(config) == "full":
         return "kvreg profile full: every test"
     return f"kvreg profile {profile(config)}: the default tier ({' / '.join(FULL_TIER)} deselected)"
+
+
+@pytest.fixture(scope="session")
+def pretrained():
+    """``get(name) -> (model, tokenizer)``: each pretrained model
+    (:func:`kvreg.models.load`) loaded once per test session, whichever test
+    files ask for it."""
+    from kvreg.models import load
+
+    loaded = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load(name)
+        return loaded[name]
+    return get

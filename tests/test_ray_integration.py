@@ -28,7 +28,6 @@ import ray  # noqa: E402  (CI installs kvreg[ray]: a missing ray is a failure, n
 from kvreg.errors import ConfigError, StateError, WireError  # noqa: E402
 from kvreg.integrations.ray import DecodeWorker, PrefillWorker, SequenceMeta, generate  # noqa: E402
 from kvreg.integrations.transformers import KvregCache  # noqa: E402
-from kvreg.models import load  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 NEW = 20
@@ -48,8 +47,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def lm():
-    return load(MODEL)
+def lm(pretrained):
+    return pretrained(MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ teacher-forced run must give the same log-probabilities.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,18 +16,17 @@ import kvreg  # noqa: E402
 from kvreg import EvictionPolicy  # noqa: E402
 from kvreg.errors import ConfigError  # noqa: E402
 from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache  # noqa: E402
-from kvreg.models import load  # noqa: E402
 from kvreg_conformance import startable_backends  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-MODELS = ["smollm2-135m", "gemma3-270m"]
-SLOW = os.environ.get("KVREG_SLOW", "") not in ("", "0")
+# SmolLM2 in the default tier; Gemma-3 (sliding layers) in the full tier.
+MODELS = ["smollm2-135m", pytest.param("gemma3-270m", marks=pytest.mark.real_models)]
 
 
 @pytest.fixture(scope="module", params=MODELS)
-def lm(request):
-    model, tok = load(request.param)
+def lm(request, pretrained):
+    model, tok = pretrained(request.param)
     return request.param, model, tok
 
 
@@ -50,7 +47,10 @@ def _teacher_forced_logp(model, ids, cache, prefix):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("backend", startable_backends())
+# The reference and numba by default; every other backend in the full tier.
+@pytest.mark.parametrize("backend", [p if p.values[0] in ("reference", "numba")
+                                     else pytest.param(*p.values, marks=(*p.marks, pytest.mark.real_models))
+                                     for p in startable_backends()])
 def test_f32_greedy_tokens_equal_dynamic_cache(lm, backend):
     name, model, tok = lm
     inputs = tok(PROMPT, return_tensors="pt")
@@ -145,8 +145,6 @@ def test_batch_of_two_with_left_padding_equals_two_single_runs(lm, cfg):
     # The batch's decode steps run one kvreg.attend_batch per layer; each
     # sequence alone runs attend_layer: the same bits, so the same tokens.
     name, model, tok = lm
-    if cfg != "f32" and name != MODELS[0] and not SLOW:
-        pytest.skip("one model by default; both with KVREG_SLOW=1")
     kw = BATCH_CONFIGS[cfg]
     prompts = [PROMPT, "The capital of France is"]
     tok.padding_side = "left"
@@ -332,8 +330,6 @@ def test_fork_shares_a_prefilled_prompt_and_continues_as_a_fresh_prefill(lm):
     # as a cache that prefilled the prompt itself, and the prompt's rows are
     # held once while the forks decode (kvreg.resident_bytes).
     name, model, tok = lm
-    if name != MODELS[0] and not SLOW:
-        pytest.skip("one model by default; both with KVREG_SLOW=1")
     ids = tok(PROMPT * 40, return_tensors="pt").input_ids[:, :400]
 
     def prefilled():
