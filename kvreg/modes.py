@@ -44,6 +44,19 @@ Q4_K_GROUP = 32
 Q4_V_GROUP = 64
 Q4_INT8_GROUP = 32
 
+#: q2 (after KIVI, arXiv 2402.02750): each head's newest rows are float16,
+#: at least ``Q2_WINDOW`` of them once that many are stored and fewer than
+#: ``Q2_WINDOW + Q2_GROUP``; older rows are 2-bit, asymmetric (a float16
+#: scale and zero per group), leaving the window in whole blocks of
+#: ``Q2_GROUP`` rows: K quantized per channel over its block (outlier
+#: channels keep their own range), V per row in groups of ``Q2_V_GROUP``
+#: channels. Rows are not rotated; each head's first ``Q2_SINK_ROWS`` rows
+#: are also kept in float32 (the attention sinks).
+Q2_WINDOW = 32
+Q2_GROUP = 32
+Q2_V_GROUP = 32
+Q2_SINK_ROWS = 4
+
 _ENV_VALUES = {
     "f32": "F32",
     "f16": "F16",
@@ -55,6 +68,7 @@ _ENV_VALUES = {
     "q8k_2f": "Q8K_2F",
     "q8v_2f": "Q8V_2F",
     "q4": "Q4",
+    "q2": "Q2",
 }
 
 
@@ -71,7 +85,10 @@ class KvMode(enum.Enum):
     field that freezes at :data:`KV_COL_WARMUP` rows. ``Q4`` keeps about
     0.59 bytes per element at 2k rows: each row is Walsh-Hadamard rotated and
     ages through float16 (the newest 16), int8 (the next 112) and int4 (every
-    older row), with each head's first 4 rows also in float32.
+    older row), with each head's first 4 rows also in float32. ``Q2`` (KIVI's
+    scheme) keeps about 0.44 bytes per element at 1k rows (head_dim 64): 2-bit
+    K quantized per channel over blocks of 32 rows, 2-bit V per row, the
+    newest 32 to 63 rows float16, each head's first 4 rows also in float32.
 
     Why q8 has no field: on real models the field, frozen over the first 64
     rows, misfits later keys (5-7% of key channels grow past 2x their early
@@ -90,20 +107,24 @@ class KvMode(enum.Enum):
     Q8K_2F = "q8k_2f"
     Q8V_2F = "q8v_2f"
     Q4 = "q4"
+    Q2 = "q2"
 
     @property
     def quant_k(self) -> bool:
-        return self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q4)
+        return self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8_2F, KvMode.Q8K_2F, KvMode.Q4, KvMode.Q2)
 
     @property
     def quant_v(self) -> bool:
-        return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q8_2F, KvMode.Q8V_2F, KvMode.Q4)
+        return self in (KvMode.Q8, KvMode.Q8V, KvMode.Q8_2F, KvMode.Q8V_2F, KvMode.Q4, KvMode.Q2)
 
     @property
     def window(self) -> int:
-        """How many newest rows per head the quantized side(s) hold in float16."""
+        """How many newest rows per head the quantized side(s) hold in float16
+        (q2: at most; rows leave its window in blocks of :data:`Q2_GROUP`)."""
         if self is KvMode.Q4:
             return Q4_WINDOW
+        if self is KvMode.Q2:
+            return Q2_WINDOW + Q2_GROUP - 1
         return Q8_WINDOW if self in (KvMode.Q8, KvMode.Q8K, KvMode.Q8V) else 0
 
     @property
@@ -120,10 +141,11 @@ class KvMode(enum.Enum):
 
     @property
     def tiered(self) -> bool:
-        """Whether rows change format as they age (``Q4``): float16, then int8,
-        then int4, each row rotated. Its kernels are the reference's on every
-        backend (a row's form depends on its tier; see :mod:`kvreg.storage`)."""
-        return self is KvMode.Q4
+        """Whether rows change format as they age: ``Q4`` (float16, then int8,
+        then int4, each row rotated) and ``Q2`` (float16, then 2-bit in blocks).
+        Their kernels are the reference's on every backend (a row's form
+        depends on its tier; see :mod:`kvreg.storage`)."""
+        return self in (KvMode.Q4, KvMode.Q2)
 
     @property
     def field(self) -> bool:
@@ -132,7 +154,7 @@ class KvMode(enum.Enum):
 
     @property
     def quantized(self) -> bool:
-        """Whether K or V is stored as integer codes with scales (q8 modes, q4)."""
+        """Whether K or V is stored as integer codes with scales (q8 modes, q4, q2)."""
         return self.quant_k or self.quant_v
 
     @property
@@ -159,7 +181,7 @@ class KvMode(enum.Enum):
 
     @classmethod
     def from_env(cls) -> "KvMode":
-        """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q4``; ``q8``, ``q8k``, ``q8v``; the seed's
+        """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q4``; ``q2``; ``q8``, ``q8k``, ``q8v``; the seed's
         ``q8_2f``, ``q8k_2f``, ``q8v_2f``.
 
         Unlike the seed (which silently fell back to F32), an unknown value is

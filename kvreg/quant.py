@@ -247,3 +247,51 @@ def unpack_int4(packed: np.ndarray, hd: int) -> np.ndarray:
     c = np.empty((packed.shape[0], 2 * packed.shape[1]), np.int8)
     c[:, 0::2], c[:, 1::2] = lo, hi
     return ((c[:, :hd] ^ np.int8(8)) - np.int8(8)).astype(np.int8)
+
+
+# ── 2-bit codes (asymmetric: four levels between a group's min and max) ──
+
+def quantize_int2(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows ``x [n, hd]`` as 2-bit codes, asymmetric per ``group`` channels:
+    ``x ≈ zero + code · scale`` with ``code`` in 0..3, ``zero`` the group's
+    minimum and ``scale`` a third of its range, both rounded to float16
+    (the codes divide by the stored values). Returns ``(codes uint8 [n, hd],
+    scale float16 [n, ng], zero float16 [n, ng])``."""
+    x = np.asarray(x, dtype=np.float32)
+    n, hd = x.shape
+    ng = num_groups(hd, group)
+    pad = ng * group - hd
+    xg = (np.pad(x, ((0, 0), (0, pad)), mode="edge") if pad else x).reshape(n, ng, group)
+    lo16 = xg.min(axis=2).astype(np.float16)
+    lo = lo16.astype(np.float32)
+    s16 = ((xg.max(axis=2) - lo) / np.float32(3)).astype(np.float16)
+    s = np.maximum(s16.astype(np.float32), HALF_SCALE_FLOOR)
+    codes = np.clip(round_half_away((xg - lo[:, :, None]) / s[:, :, None]), 0, 3).astype(np.uint8)
+    return np.ascontiguousarray(codes.reshape(n, ng * group)[:, :hd]), s.astype(np.float16), lo16
+
+
+def dequantize_int2(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int) -> np.ndarray:
+    """``zero + codes · scale`` per group, float32 ``[n, hd]``."""
+    hd = codes.shape[1]
+    g = np.arange(hd) // group
+    return zero.astype(np.float32)[:, g] + codes.astype(np.float32) * scale.astype(np.float32)[:, g]
+
+
+def pack_int2(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes in 0..3 ``[n, hd]`` -> uint8 ``[n, ceil(hd/4)]``: channel
+    ``4j + i`` in bits ``2i`` and ``2i + 1``."""
+    n, hd = codes.shape
+    c = codes.astype(np.uint8) & np.uint8(3)
+    pad = -hd % 4
+    if pad:
+        c = np.concatenate([c, np.zeros((n, pad), np.uint8)], axis=1)
+    return np.ascontiguousarray(c[:, 0::4] | (c[:, 1::4] << np.uint8(2)) | (c[:, 2::4] << np.uint8(4))
+                                | (c[:, 3::4] << np.uint8(6)))
+
+
+def unpack_int2(packed: np.ndarray, hd: int) -> np.ndarray:
+    """The inverse of :func:`pack_int2`: uint8 codes ``[n, hd]``."""
+    c = np.empty((packed.shape[0], 4 * packed.shape[1]), np.uint8)
+    for i in range(4):
+        c[:, i::4] = (packed >> np.uint8(2 * i)) & np.uint8(3)
+    return np.ascontiguousarray(c[:, :hd])

@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .modes import KV_K_GROUP, Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP
-from .quant import dequantize_half_scaled, dequantize_rows, from_half, unpack_int4
+from .modes import KV_K_GROUP, Q2_GROUP, Q2_V_GROUP, Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP
+from .quant import dequantize_half_scaled, dequantize_int2, dequantize_rows, from_half, unpack_int2, unpack_int4
 
 _NO_FLOOR = np.iinfo(np.int64).max
 
@@ -97,10 +97,30 @@ class TierRows(NamedTuple):
     t8vs: np.ndarray
 
 
+class KiviRows(NamedTuple):
+    """q2's 2-bit rows, below the window's ``b8[h]`` (a multiple of
+    :data:`~kvreg.modes.Q2_GROUP`): codes ``k2``/``v2 [nkv, cap,
+    ceil(hd/4)]`` uint8 (four per byte, :func:`~kvreg.quant.pack_int2`),
+    value ``zero + code · scale``. V: ``v2s``/``v2z [nkv, cap, ceil(hd/32)]``
+    float16 per row and 32 channels. K: one scale and zero per channel per
+    block of G rows, striped over the block's rows so they stay per-row
+    arrays: ``k2s``/``k2z [nkv, cap, c]`` (``c = ceil(hd/G)``), row ``r`` of
+    a block holding channels ``[(r % G)·c, (r % G + 1)·c)``."""
+
+    k2: np.ndarray
+    k2s: np.ndarray
+    k2z: np.ndarray
+    v2: np.ndarray
+    v2s: np.ndarray
+    v2z: np.ndarray
+
+
 #: Where each array a storage holds sits in a :class:`KvView`: ``name:
-#: (group, field)``.
+#: (group, field)``. The ``tiers`` group is a :class:`TierRows` (q4) or a
+#: :class:`KiviRows` (q2): a name its type lacks reads as None.
 PLACES = {name: (group, name) for group, cls in (("dense", DenseRows), ("q8", Q8Rows), ("window", WindowRows),
-                                                  ("tiers", TierRows)) for name in cls._fields if name != "ngk"}
+                                                  ("tiers", TierRows), ("tiers", KiviRows))
+          for name in cls._fields if name != "ngk"}
 PLACES.update(xk=("exact", "xk"), xv=("exact", "xv"), xlen=("exact", "xlen"))
 del PLACES["size"]
 
@@ -116,8 +136,9 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
     of storage, each None where the mode has none: ``dense``
     (:class:`DenseRows`: the float sides; always there), ``q8``
     (:class:`Q8Rows`), ``exact`` (:class:`ExactRows`), ``window``
-    (:class:`WindowRows`) and ``tiers`` (:class:`TierRows`, q4). Read a
-    head's rows as the kernels answer with them with :meth:`attended_rows`.
+    (:class:`WindowRows`) and ``tiers`` (:class:`TierRows` for q4,
+    :class:`KiviRows` for q2). Read a head's rows as the kernels answer
+    with them with :meth:`attended_rows`.
     Rows of a side with ``rot_k``/``rot_v`` are in the Walsh-Hadamard rotated
     basis (the layer rotates queries and un-rotates outputs).
     """
@@ -135,8 +156,7 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
         ...: :data:`PLACES`), read from its group; None where the mode has
         none. For code that walks a view's arrays by name (a device mirror)."""
         group, field = PLACES[name]
-        rows = getattr(self, group)
-        return None if rows is None else getattr(rows, field)
+        return getattr(getattr(self, group), field, None)
 
     def unchanged_rows(self, since: int | None) -> np.ndarray | None:
         """Per head, how many leading rows are the same bits as at version
@@ -158,8 +178,10 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
         """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them,
         float32 ``[n-lo, hd]``: float rows widened (f32: a view), q8
         ``q·s·col`` with the window rows widened and the exact rows ``x·col``,
-        q4 each row from its tier. ``side`` is ``"k"`` or ``"v"``."""
+        q4 and q2 each row from its tier. ``side`` is ``"k"`` or ``"v"``."""
         if self.tiers is not None:
+            if type(self.tiers) is KiviRows:
+                return self._kivi_rows(side, h, lo, n)
             return self._tiered_rows(side, h, lo, n)
         quantized = self.mode.quant_k if side == "k" else self.mode.quant_v
         if not quantized:
@@ -204,6 +226,43 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
         if lo < xl:
             out[: xl - lo] = getattr(x, "x" + side)[h, lo:xl]
         return out
+
+    def _kivi_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
+        hd, t, w, x = self.head_dim, self.tiers, self.window, self.exact
+        b8 = int(w.b8[h])
+        out = np.empty((max(n - lo, 0), hd), np.float32)
+        z = min(b8, n)
+        if z > lo:
+            if side == "v":
+                out[: z - lo] = dequantize_int2(unpack_int2(t.v2[h, lo:z], hd), t.v2s[h, lo:z], t.v2z[h, lo:z],
+                                                Q2_V_GROUP)
+            else:
+                out[: z - lo] = kivi_keys(t.k2[h], t.k2s[h], t.k2z[h], lo, z, hd)
+        a0 = max(lo, b8)
+        if n > a0:
+            out[a0 - lo:] = w.thk[h, a0 - b8:n - b8] if side == "k" else w.thv[h, a0 - b8:n - b8]
+        xl = min(int(x.xlen[h]), n)
+        if lo < xl:
+            out[: xl - lo] = getattr(x, "x" + side)[h, lo:xl]
+        return out
+
+
+def kivi_block_stats(stripes: np.ndarray, hd: int) -> np.ndarray:
+    """Per-channel statistics of whole q2 K blocks from their stripes
+    ``[nb·G, c]`` (:class:`KiviRows`): ``[nb, hd]``."""
+    nb = stripes.shape[0] // Q2_GROUP
+    return stripes.reshape(nb, -1)[:, :hd]
+
+
+def kivi_keys(k2: np.ndarray, k2s: np.ndarray, k2z: np.ndarray, lo: int, z: int, hd: int) -> np.ndarray:
+    """One head's 2-bit K rows ``[lo, z)`` (all below its window) as float32
+    ``[z-lo, hd]``: each row with its block's per-channel scale and zero,
+    the arithmetic of :func:`~kvreg.quant.dequantize_int2`."""
+    b0, b1 = lo // Q2_GROUP, -(-z // Q2_GROUP)
+    s = kivi_block_stats(k2s[b0 * Q2_GROUP:b1 * Q2_GROUP], hd).astype(np.float32)
+    zero = kivi_block_stats(k2z[b0 * Q2_GROUP:b1 * Q2_GROUP], hd).astype(np.float32)
+    blk = np.arange(lo, z) // Q2_GROUP - b0
+    return zero[blk] + unpack_int2(k2[lo:z], hd).astype(np.float32) * s[blk]
 
 
 class DecodeSlot(KvView):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import kvreg
-from kvreg.storage import DenseStorage, Int8Storage, Storage, TieredStorage, make_storage
+from kvreg.storage import DenseStorage, Int8Storage, KiviStorage, Storage, TieredStorage, make_storage
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The shipped packages, each the folder of its import package.
@@ -114,8 +114,9 @@ def test_the_layer_is_composed_not_inherited():
     assert lay.ring is not None and lay.bounded is lay.ring.state
 
 
-@pytest.mark.parametrize("mode,family", [(m, TieredStorage if m.tiered else Int8Storage if m.quantized
-                                          else DenseStorage) for m in kvreg.KvMode], ids=lambda x: str(x))
+@pytest.mark.parametrize("mode,family", [(m, KiviStorage if m is kvreg.KvMode.Q2 else TieredStorage if m.tiered
+                                          else Int8Storage if m.quantized else DenseStorage) for m in kvreg.KvMode],
+                         ids=lambda x: str(x))
 def test_each_mode_is_stored_by_its_family(mode, family):
     st = make_storage(2, 8, mode, 1)
     assert type(st) is family and st.mode is mode

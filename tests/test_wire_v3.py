@@ -24,7 +24,7 @@ from hypothesis import strategies as hs
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.cli import main
-from kvreg.modes import KV_COL_WARMUP, Q4_SINK_ROWS, Q8_WINDOW
+from kvreg.modes import KV_COL_WARMUP, Q2_SINK_ROWS, Q4_SINK_ROWS, Q8_WINDOW
 from kvreg.wire import (
     DTYPE_CODES, FLAG_CRC32, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer,
     inspect,
@@ -533,7 +533,8 @@ def test_the_block_list_is_read_from_the_storage(mode):
     assert names[:len(probe.block_names())] == list(probe.block_names())
     assert ("xk" in names) == mode.quant_k and ("xv" in names) == mode.quant_v
     assert ("kcol" in names) == mode.field
-    assert schema.exact_cap == (Q4_SINK_ROWS if mode.tiered else EXACT if (mode.quant_k or mode.quant_v) else 0)
+    own = {KvMode.Q4: Q4_SINK_ROWS, KvMode.Q2: Q2_SINK_ROWS}     # the tiered modes keep their own sink rows
+    assert schema.exact_cap == own.get(mode, EXACT if (mode.quant_k or mode.quant_v) else 0)
 
 
 # --------------------------------------------------- cache container

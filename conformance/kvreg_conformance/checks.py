@@ -112,14 +112,11 @@ class Checker:
 # ── storage comparison (exact class) ──
 
 def _written_rows(st, block: str) -> np.ndarray:
-    """Per head, how many leading rows of a row block hold data: q4's int4
-    blocks up to its int4 tier, a q8 side with a float16 window up to the
-    window, every other block all its rows."""
-    if st.mode.tiered:
-        return st.b4
-    if st.window and ((block in ("kq", "ks") and st.thk is not None) or (block in ("vq", "vs") and st.thv is not None)):
-        return st.b8
-    return st.lens
+    """Per head, how many leading rows of a row block hold data, as the
+    storage says (``written_rows``): q4's int4 blocks up to its int4 tier,
+    q2's 2-bit blocks and a q8 side with a float16 window up to the window,
+    every other block all its rows."""
+    return st.written_rows(block)
 
 
 def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what: str = "") -> None:
@@ -135,7 +132,7 @@ def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what
         raise AssertionError(f"kernel {kernel} ({what}): the layers store different blocks")
     if a.window:
         check.exact(kernel, a.b8, b.b8, f"{what}: float16 window bounds")
-    if a.mode.tiered:
+    if a.b4 is not None:
         check.exact(kernel, a.b4, b.b4, f"{what}: int4 tier bounds")
     for name in a.block_names():
         x, y = getattr(a, name), getattr(b, name)
@@ -143,8 +140,8 @@ def assert_same_storage(check: Checker, got_layer, want_layer, kernel: str, what
             if (x is None) != (y is None):
                 raise AssertionError(f"kernel {kernel} ({what}): block {name} allocated in one layer only")
             continue
-        # Only written rows: a window row's integer slot (q8) and a q4 row
-        # above the int4 tier are unwritten.
+        # Only written rows: a window row's integer slot (q8, q2) and a q4
+        # row above the int4 tier are unwritten.
         upto = _written_rows(a, name)
         for h in range(a.num_kv_heads):
             n = int(upto[h])

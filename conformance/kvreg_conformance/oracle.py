@@ -232,7 +232,8 @@ def _hadamard64(hd: int) -> np.ndarray:
 
 
 def _tiered64(st, side: str, g: int, n: int) -> np.ndarray:
-    """q4 rows in their tiers' float32 values, rotated back in float64."""
+    """q4 and q2 rows in their tiers' float32 values (``attended_rows``),
+    rotated back in float64 where the side is rotated (q4)."""
     rows = np.array(st.attended_rows(side, g, 0, n), dtype=np.float64)
     return rows @ _hadamard64(st.head_dim) if (st.rot_k if side == "k" else st.rot_v) else rows
 

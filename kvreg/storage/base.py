@@ -44,7 +44,7 @@ _GEN = itertools.count(1)
 #: Every array a storage may hold (None where its mode has none): the row
 #: blocks, the per-head state beyond them, the field and exact rows.
 ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4", "v4s",
-          "t8k", "t8ks", "t8v", "t8vs")
+          "t8k", "t8ks", "t8v", "t8vs", "k2", "k2s", "k2z", "v2", "v2s", "v2z")
 
 #: Truncations a storage remembers for device mirrors (older ones: a full re-upload).
 FLOOR_LOG = 64
@@ -186,6 +186,12 @@ class Storage(abc.ABC):
     def head_block_names(self) -> tuple[str, ...]:
         """Per-head state arrays beyond the row blocks (``[nkv, ...]``)."""
         return ()
+
+    def written_rows(self, block: str) -> np.ndarray:
+        """Per head, how many leading rows of row block ``block`` hold data
+        (``[nkv]``): every stored row here; a family whose newest rows live
+        elsewhere (a float16 window) leaves their slots zero and says so."""
+        return self.lens
 
     def field_frozen(self) -> bool:
         """Whether the seed's q8 field froze (only the ``_2f`` modes have one)."""
@@ -366,12 +372,13 @@ class Storage(abc.ABC):
         self.reset_version = self.version
         self._floors.clear()
 
-    def _truncated(self) -> None:
-        """Rows past ``lens`` (now) may be rewritten: logged for mirrors."""
+    def _truncated(self, floor: np.ndarray | None = None) -> None:
+        """Rows past ``lens`` (now; ``floor`` per head where a family rewrote
+        rows below it too) may be rewritten: logged for mirrors."""
         self._touch()
         if len(self._floors) == self._floors.maxlen:
             self._log_start = self._floors[0][0]
-        self._floors.append((self.version, self.lens.copy()))
+        self._floors.append((self.version, self.lens.copy() if floor is None else np.array(floor, np.int64)))
 
     def renew_generation(self) -> None:
         """A fresh seed generation (a restored ring, a seal)."""

@@ -99,6 +99,11 @@ class Int8Storage(Storage):
             return ()
         return ("b8",) + tuple(n for n in ("thk", "thv") if getattr(self, n) is not None)
 
+    def written_rows(self, block: str) -> np.ndarray:
+        """A quantized side's integer rows stop at the window (its rows' slots stay zero)."""
+        th = self.thk if block in ("kq", "ks") else self.thv if block in ("vq", "vs") else None
+        return self.b8 if self.window and th is not None else self.lens
+
     def _groups(self, array, count) -> tuple:
         q8 = Q8Rows(array("kq"), array("ks"), array("vq"), array("vs"), array("kcol"), array("vcol"),
                     count(self.kcol_set), count(self.vcol_set), self.ngk)

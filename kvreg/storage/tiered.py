@@ -58,6 +58,10 @@ class TieredStorage(Int8Storage):
                 "v4": ((nkv, cap, half), np.dtype(np.uint8)),
                 "v4s": ((nkv, cap, num_groups(hd, Q4_V_GROUP)), np.dtype(np.float16))}
 
+    def written_rows(self, block: str) -> np.ndarray:
+        """The int4 blocks hold the int4 tier's rows only."""
+        return self.b4
+
     def head_block_names(self) -> tuple[str, ...]:
         """The float16 window and its bound, and the int8 tier."""
         return super().head_block_names() + ("b4", "t8k", "t8ks", "t8v", "t8vs")
