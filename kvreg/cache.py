@@ -28,6 +28,36 @@ class Born:
     sink: int = 4
 
 
+@dataclass(frozen=True)
+class Snap:
+    """Per-KV-group eviction at a fixed budget. At the prompt's end each
+    group keeps its ``sink`` first rows, its ``recent`` newest and the rows
+    its heads' last ``observe`` queries attend most (SnapKV's observation
+    window, pooled over neighbouring rows); then at every step, per group,
+    the row of least mass (the window's plus everything decode gave it:
+    H2O's accumulation) outside the sinks and the recent rows leaves. It
+    runs as the O(1) seal with no far tier (``o1_begin(0, recent, sink,
+    heavy=budget - sink - recent, observe=observe, auto=True)``), so its
+    memory is fixed whatever the context, in every KV mode."""
+
+    sink: int = 4
+    recent: int = 32
+    observe: int = 32
+
+
+def check_policy(policy) -> None:
+    """A :class:`ConfigError` unless ``policy`` is one of :class:`EvictionPolicy`'s."""
+    if isinstance(policy, Born):
+        V.nonneg_int("Born.sink", policy.sink)
+    elif isinstance(policy, Snap):
+        V.nonneg_int("Snap.sink", policy.sink)
+        V.positive_int("Snap.recent", policy.recent)
+        V.positive_int("Snap.observe", policy.observe)
+    elif not isinstance(policy, Recent):
+        raise ConfigError("policy must be EvictionPolicy.Recent, EvictionPolicy.Born(sink) or "
+                          f"EvictionPolicy.Snap(sink, recent, observe), got {policy!r}")
+
+
 def resident_bytes(*caches) -> int:
     """Bytes of KV state the given sequences hold together (each a
     :class:`KvCache`, a :class:`LayerKvCache` or an iterable of them), rows
@@ -52,10 +82,12 @@ def resident_bytes(*caches) -> int:
 
 
 class EvictionPolicy:
-    """``EvictionPolicy.Recent`` / ``EvictionPolicy.Born(sink=4)`` (the seed's enum)."""
+    """``EvictionPolicy.Recent`` / ``EvictionPolicy.Born(sink=4)`` (the seed's
+    enum), and ``EvictionPolicy.Snap(sink=4, recent=32, observe=32)``."""
 
     Recent = Recent()
     Born = Born
+    Snap = Snap
 
 
 class KvCache:
@@ -81,10 +113,7 @@ class KvCache:
 
     @staticmethod
     def _check_policy(policy) -> None:
-        if isinstance(policy, Born):
-            V.nonneg_int("Born.sink", policy.sink)
-        elif not isinstance(policy, Recent):
-            raise ConfigError(f"policy must be EvictionPolicy.Recent or EvictionPolicy.Born(sink), got {policy!r}")
+        check_policy(policy)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -143,6 +172,10 @@ class KvCache:
         """Evict every layer down to ``keep_last`` rows according to the policy."""
         keep_last = V.nonneg_int("keep_last", keep_last)
         self._check_policy(self.policy)
+        if isinstance(self.policy, Snap):
+            raise ConfigError("EvictionPolicy.Snap bounds the layers as they seal, from the prompt's last queries: "
+                              "arm each layer before the prompt with o1_begin(0, recent, sink, heavy=keep_last - "
+                              "sink - recent, observe=observe, auto=True) (KvregCache(policy=..., budget=N) does)")
         with self._all_layers_locked():
             if isinstance(self.policy, Recent):
                 for layer in self.layers:

@@ -39,3 +39,30 @@ def window_cut(pos_len: int, base: int, keep: int, align: int, anchor: int | Non
         keep_from = min(keep_from, max(anchor - keep, 0))
     new_base = keep_from // max(align, 1) * max(align, 1)
     return max(new_base - base, 0)
+
+
+def observed_mass(q: np.ndarray, k: np.ndarray, scale: float, pool: int = 1) -> np.ndarray:
+    """SnapKV's score of each stored row, per KV group: the attention
+    probabilities that the prompt's last ``n`` queries ``q [n, nh, hd]``
+    (those of the last ``n`` of the ``t`` rows, each reading the rows up to
+    its own, causally) give the rows ``k [nkv, t, hd]``, summed over the
+    queries and each group's heads; with ``pool`` (odd), a row scores at
+    least the average of the ``pool`` rows around it (SnapKV's pooling: the
+    neighbours of a heavy row are kept with it, the row itself first). The
+    unit is the layer's importance (probabilities summed over queries and
+    heads), so decode mass adds to it. Returns float32 ``[nkv, t]``."""
+    n, nh, hd = q.shape
+    nkv, t, _ = k.shape
+    qg = q.astype(np.float64).reshape(n, nkv, nh // nkv, hd).transpose(1, 2, 0, 3)    # [nkv, hpk, n, hd]
+    s = np.matmul(qg, k.astype(np.float64).transpose(0, 2, 1)[:, None]) * float(scale)  # [nkv, hpk, n, t]
+    causal = np.arange(t)[None, :] > (t - n + np.arange(n))[:, None]
+    s[..., causal] = -np.inf
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    mass = p.sum(axis=(1, 2))
+    if pool > 1:
+        half = pool // 2
+        padded = np.pad(mass, ((0, 0), (half, half)), mode="edge")
+        csum = np.concatenate([np.zeros((nkv, 1)), np.cumsum(padded, axis=1)], axis=1)
+        mass = np.maximum(mass, (csum[:, pool:] - csum[:, :-pool]) / pool)
+    return mass.astype(np.float32)

@@ -38,7 +38,8 @@ from . import _validate as V
 from .errors import ConfigError, SealError, ShapeError, StateError
 from .lifecycle import Lifecycle
 from .nystrom import O1Rect, o1_deferred_boundary, seal_groups
-from .tiered_seal import TieredSeal, exact_format
+from .eviction import observed_mass
+from .tiered_seal import FAR_FORMATS, TieredSeal, exact_format
 
 if TYPE_CHECKING:
     from .layer import LayerKvCache
@@ -47,6 +48,10 @@ log = logging.getLogger("kvreg.o1")
 
 #: The far fields a seal can build (``begin(..., far=...)``); the first is the default.
 FAR_FIELDS = ("tiered", "nystrom")
+
+#: Rows an observation window's scores are averaged over (SnapKV's pooling):
+#: a row next to a heavy one is kept with it.
+OBSERVE_POOL = 7
 
 
 @dataclass
@@ -61,6 +66,10 @@ class Collecting:
     q_rows: list = field(default_factory=list)
     #: Far rows kept exact per group; None = ``m``.
     heavy: int | None = None
+    #: Prompt queries whose attention scores the rows at the seal (tiered; 0 = the layer's importance).
+    observe: int = 0
+    #: The last ``observe`` queries seen, ``[n, nh, hd]`` (tiered, ``observe > 0``).
+    recent_q: np.ndarray | None = None
 
     def q_len(self) -> int:
         return sum(int(r.size) for r in self.q_rows)
@@ -88,7 +97,7 @@ class Seal:
         ``error`` (a failed seal)."""
         #: the phase's data: the query trace while collecting, the far field once sealed
         self.phase: Collecting | Sealed | None = None
-        #: (m, w, sink, rect, heavy) of the last begin (recollect reuses them)
+        #: (m, w, sink, rect, heavy, observe) of the last begin (recollect reuses them)
         self.params: tuple | None = None
         self.scale: float | None = None
         self.q_stride = 1
@@ -104,6 +113,9 @@ class Seal:
         #: the attend_layer that follows
         self.staged: tuple | None = None
         self.far = FAR_FIELDS[0]
+        self.far_format = "int4"
+        #: a sliding layer's window (tiered): the seal reads the newest ``window`` positions only
+        self.window: int | None = None
         lay = self._layer
         if error is not None:
             lay._lifecycle = Lifecycle.FAILED
@@ -116,14 +128,25 @@ class Seal:
     # ── arming and the query trace ──
 
     def begin(self, m: int, w: int, sink: int, rect: O1Rect = O1Rect.Aggregate, seal_at: int | None = None, *,
-              scale=None, heavy: int | None = None, auto: bool = False, far: str = FAR_FIELDS[0]) -> None:
+              scale=None, heavy: int | None = None, auto: bool = False, far: str = FAR_FIELDS[0],
+              far_format: str = "int4", observe: int = 0, window: int | None = None) -> None:
         """Arm collection for a fresh prompt pass, with an optional
         completed-row seal barrier ``seal_at``.
 
         The geometry (m >= 4, w > 0) is checked by the seal, as the seed
         does; here only the types. ``scale`` is the score scale (1/√hd by
         default); ``heavy`` the far rows each group keeps exact (None:
-        ``m``); ``far`` the far field (module docstring).
+        ``m``); ``far`` the far field (module docstring). The tiered far
+        field also takes ``far_format`` (how its far rows are stored:
+        ``"int4"``, ``"int2"`` or ``"int8"``) and ``observe``: score the
+        prompt's rows at the seal, per KV group, by the attention of its last
+        ``observe`` queries (SnapKV's observation window, pooled over
+        :data:`OBSERVE_POOL` rows) instead of the mass every prompt query
+        gave them summed over all heads; ``m = 0`` keeps no far rows (a
+        fixed-budget eviction of ``sink + w + heavy`` rows per group);
+        ``window`` seals a sliding layer: only rows of the newest ``window``
+        positions are kept and read (its far tier holds at most what the
+        window leaves).
 
         ``auto=True`` makes the layer seal itself inside the ordinary decode
         protocol: ``attend_chunk``/``attend_layer`` record the queries they
@@ -146,10 +169,19 @@ class Seal:
             auto = V.flag("auto", auto)
             if far not in FAR_FIELDS:
                 raise ConfigError(f"far must be one of {', '.join(map(repr, FAR_FIELDS))}, got {far!r}")
+            if far_format not in FAR_FORMATS:
+                raise ConfigError(f"far_format must be one of {', '.join(map(repr, FAR_FORMATS))}, "
+                                  f"got {far_format!r}")
+            observe = int(V.nonneg_int("observe", observe))
+            if window is not None:
+                window = int(V.positive_int("window", window))
+            if far != "tiered" and (observe or far_format != "int4" or window is not None):
+                raise ConfigError("observe, far_format and window are the tiered far field's; the Nystrom seal "
+                                  "reads the whole query trace")
             self.reset()
-            self.phase = Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy)
-            self.params = (int(m), int(w), int(sink), rect, heavy)
-            self.scale, self.auto, self.far = scale, auto, far
+            self.phase = Collecting(int(m), int(w), int(sink), rect, seal_at, heavy=heavy, observe=observe)
+            self.params = (int(m), int(w), int(sink), rect, heavy, observe)
+            self.scale, self.auto, self.far, self.far_format, self.window = scale, auto, far, far_format, window
             self._enter(Lifecycle.COLLECTING)
 
     @property
@@ -205,10 +237,10 @@ class Seal:
             kk = V.array("k", k, (rows, nkv, hd))
             vv = V.array("v", v, (rows, nkv, hd))
             qq = V.flat("q", q).copy()
-            m, w, sink, rect, heavy = self.params
+            m, w, sink, rect, heavy, observe = self.params
             lay._replace_rows(kk.transpose(1, 0, 2), vv.transpose(1, 0, 2))
             self.q_stride = stride
-            self.phase = Collecting(m, w, sink, rect, rows, [qq], heavy)
+            self.phase = Collecting(m, w, sink, rect, rows, [qq], heavy, observe)
             self._enter(Lifecycle.COLLECTING)
             return True
 
@@ -293,14 +325,18 @@ class Seal:
                 raise SealError(f"o1 seal: query trace has {col.q_len()} values, expected {expected_q}")
             if lay.base or (lay.storage.lens != t).any():
                 raise SealError("o1 seal: KV heads are not densely populated")
-            if col.m < 4 or col.w == 0:
+            if (col.m < 4 and not tiered) or col.w == 0:
                 raise SealError(f"o1 seal: invalid geometry m={col.m} w={col.w}")
             if tiered:
                 keys, values = self._rows("tiered")
-                mass = np.array(lay.storage.imp[:t], dtype=np.float32)
+                if col.recent_q is not None:
+                    mass = observed_mass(col.recent_q[-t:], keys, self.scale, OBSERVE_POOL)
+                else:
+                    mass = np.array(lay.storage.imp[:t], dtype=np.float32)
                 state = TieredSeal(col.m, col.w, col.sink, col.m if col.heavy is None else col.heavy,
                                    num_kv_heads=nkv, hpk=num_heads // nkv, head_dim=hd, scale=self.scale,
-                                   fmt=exact_format(lay.mode), kernels=lay.backend)
+                                   fmt=exact_format(lay.mode), far_format=self.far_format, window=self.window,
+                                   kernels=lay.backend)
                 state.seal(np.asarray(keys, dtype=np.float32), np.asarray(values, dtype=np.float32), mass)
                 return self._sealed(Sealed([], tiered=state))
             rows = col.q_rows
@@ -350,8 +386,13 @@ class Seal:
         if self.num_heads not in (None, nh):
             raise ShapeError(f"attend with {nh} query heads on a layer collecting {self.num_heads}-head queries")
         self.num_heads = nh
-        if self.far != "tiered":  # the tiered seal needs no query trace
-            self.phase.q_rows.append(np.array(q, dtype=np.float32).ravel())
+        col = self.phase
+        if self.far != "tiered":
+            col.q_rows.append(np.array(q, dtype=np.float32).ravel())
+        elif col.observe:  # the tiered seal keeps only its observation window
+            q = np.asarray(q, dtype=np.float32).reshape(-1, nh, q.shape[-1])
+            held = q if col.recent_q is None else np.concatenate([col.recent_q, q])
+            col.recent_q = held[-col.observe:].copy()
 
     def auto_append(self, k: np.ndarray, v: np.ndarray) -> bool:
         """``append`` of one row ``k, v [nkv, hd]`` on a self-sealing layer:
@@ -364,19 +405,34 @@ class Seal:
                 raise ShapeError("append on a sealed layer: k and v must be finite")
             self.staged = (k.copy(), v.copy())
             return True
-        held = self._layer.seq_len
-        if not self.collecting or not held or self.num_heads is None:
-            return False
-        if held < max(self.phase.seal_at or 0, self._floor(self.phase)):
-            return False  # a short prompt: exact rows until the layer holds the boundary's
-        try:
-            self.seal_checked(self.num_heads)
-        except SealError as exc:
-            warnings.warn(f"kvreg: the O(1) seal could not be made ({exc}); the layer stays exact", stacklevel=4)
-            self.reset()
+        if not self.seal_if_ready(stacklevel=5):
             return False
         self.staged = (k.copy(), v.copy())
         return True
+
+    def seal_if_ready(self, stacklevel: int = 4) -> bool:
+        """Seal a self-sealing layer that holds its boundary's rows (a host
+        that prefilled the whole prompt seals at its end, so the prompt's
+        rows are not held past its forward). A seal that cannot be made
+        leaves the layer plain, its rows exact, with a warning. Whether the
+        layer is sealed now."""
+        if not self.auto:
+            return False
+        with self._layer.lock:
+            if self.sealed:
+                return True
+            held = self._layer.seq_len
+            if not self.collecting or not held or self.num_heads is None:
+                return False
+            if held < max(self.phase.seal_at or 0, self._floor(self.phase)):
+                return False  # a short prompt: exact rows until the layer holds the boundary's
+            try:
+                return self.seal_checked(self.num_heads)
+            except SealError as exc:
+                warnings.warn(f"kvreg: the O(1) seal could not be made ({exc}); the layer stays exact",
+                              stacklevel=stacklevel)
+                self.reset()
+                return False
 
     def auto_attend(self, q: np.ndarray) -> np.ndarray:
         """``attend_layer(q)`` on a sealed self-sealing layer: the step of the staged row."""

@@ -195,3 +195,94 @@ def test_refusals_change_nothing():
         TieredSeal(8, 8, 2, 8, num_kv_heads=1, hpk=0, head_dim=4, scale=1.0)
     with pytest.raises(ConfigError, match="exact tier's format"):
         TieredSeal(8, 8, 2, 8, num_kv_heads=1, hpk=1, head_dim=4, scale=1.0, fmt="int4")
+
+
+# ── far formats, per-group mass, the observation window ──
+
+@pytest.mark.parametrize("fmt, bits", [("int2", 2), ("int4", 4), ("int8", 8)])
+def test_far_formats_reconstruct_within_their_step(fmt, bits):
+    rng = np.random.default_rng(3)
+    tier = Tier(fmt, NKV, 8, HD)
+    k, v = rng.standard_normal((2, NKV, 8, HD)).astype(np.float32)
+    tier.put(slice(0, 8), k, v)
+    tier.n = 8
+    got_k, got_v = _decoded(tier)
+    for want, got in ((k, got_k), (v, got_v)):
+        # each value within a step of its group's range (rotation spreads it over 16 channels)
+        span = np.abs(fwht(want.reshape(-1, HD)) if tier.rotated else want).max()
+        assert np.abs(got - want).max() <= 2 * span / (2 ** bits - 1) + 1e-3
+    assert Tier.row_bytes(fmt, HD) < Tier.row_bytes("f32", HD)
+
+
+def test_int2_rows_cost_less_than_int4_and_fill_more_rows():
+    assert Tier.row_bytes("int2", 64) < Tier.row_bytes("int4", 64)
+    assert far_rows(64, 64, "int2") > far_rows(64, 64) > far_rows(64, 64, "int8")
+    assert seal_bytes(8, 16, 4, HD, NKV, far_format="int2") <= seal_bytes(8, 16, 4, HD, NKV) + Tier.row_bytes("int2", HD) * NKV
+
+
+def test_a_per_group_mass_chooses_rows_per_group():
+    rng = np.random.default_rng(0)
+    t = 40
+    k, v = rng.standard_normal((2, NKV, t, HD)).astype(np.float32)
+    mass = np.zeros((NKV, t), np.float32)
+    mass[0, 10], mass[1, 20] = 5.0, 5.0
+    state = TieredSeal(0, 4, 2, 1, num_kv_heads=NKV, hpk=HPK, head_dim=HD, scale=0.25)
+    state.seal(k, v, mass)
+    held = [sorted(state.exact.pos[g, :state.exact.n].tolist()) for g in range(NKV)]
+    assert held[0] == [0, 1, 10, 36, 37, 38, 39] and held[1] == [0, 1, 20, 36, 37, 38, 39]
+    assert state.far.n == 0 and state.far_budget == 0
+
+
+def test_a_mass_of_the_wrong_shape_is_refused():
+    state = TieredSeal(8, 4, 2, 1, num_kv_heads=NKV, hpk=HPK, head_dim=HD, scale=0.25)
+    k = np.zeros((NKV, 20, HD), np.float32)
+    with pytest.raises(ShapeError, match="mass"):
+        state.seal(k, k, np.zeros((NKV + 1, 20), np.float32))
+
+
+def test_observed_mass_is_the_windows_causal_attention_per_group():
+    from kvreg.eviction import observed_mass
+
+    rng = np.random.default_rng(1)
+    t, n = 12, 3
+    q = rng.standard_normal((n, NH, HD)).astype(np.float32)
+    k = rng.standard_normal((NKV, t, HD)).astype(np.float32)
+    want = np.zeros((NKV, t))
+    for i in range(n):
+        upto = t - n + i + 1
+        for h in range(NH):
+            s = k[h // HPK, :upto].astype(np.float64) @ q[i, h] * 0.5
+            p = np.exp(s - s.max())
+            want[h // HPK, :upto] += p / p.sum()
+    np.testing.assert_allclose(observed_mass(q, k, 0.5), want, rtol=1e-5)
+    pooled = observed_mass(q, k, 0.5, pool=3)
+    np.testing.assert_allclose(pooled[:, 5], np.maximum(want[:, 5], want[:, 4:7].mean(axis=1)), rtol=1e-5)
+
+
+def test_observe_keeps_the_rows_the_last_queries_read():
+    """A key the prompt's last query points at survives the seal in every
+    group whose heads read it, though the mass of the whole prompt lies elsewhere."""
+    t, hot = 64, 30
+    layer = kvreg.LayerKvCache(NKV, HD, mode="f32")
+    layer.o1_begin(0, 4, 2, heavy=2, auto=True, observe=1)
+    k = np.zeros((NKV, t, HD), np.float32)
+    k[:, hot, 0] = 10.0
+    q = np.zeros((t, NH, HD), np.float32)
+    q[-1, :, 0] = 10.0
+    layer.extend(k, k, layout="hnd")
+    layer.attend_chunk(q, b=t, s0=0, heads_per_kv=HPK)
+    assert layer.seal.seal_if_ready() and layer.o1_sealed()
+    state = layer.seal.phase.tiered
+    assert all(hot in state.exact.pos[g, :state.exact.n] for g in range(NKV))
+    assert layer.memory_bytes() == state.memory_bytes()
+
+
+@pytest.mark.parametrize("kw, error, match", [({"far_format": "int3"}, ConfigError, "far_format"),
+                                              ({"observe": -1}, ShapeError, "observe"),
+                                              ({"far": "nystrom", "observe": 4}, ConfigError, "tiered")])
+def test_bad_seal_options_are_refused_before_anything_changes(kw, error, match):
+    layer = kvreg.LayerKvCache(NKV, HD, mode="f32")
+    layer.append(np.ones((NKV, HD), np.float32), np.ones((NKV, HD), np.float32))
+    with pytest.raises(error, match=match):
+        layer.o1_begin(8, 4, 2, auto=True, **kw)
+    assert not layer.o1_collecting() and layer.seq_len == 1

@@ -65,7 +65,10 @@ How it fits transformers (5.x):
   ``sink`` first rows, the ``N // 2`` newest and the rest by accumulated
   attention mass (kvreg's importance, accumulated by every attend);
   ``EvictionPolicy.Recent`` keeps the ``sink`` first rows (argument
-  ``sink``, default 0) and the newest.
+  ``sink``, default 0) and the newest; ``EvictionPolicy.Snap`` chooses per
+  KV group, by the prompt's last queries and then decode's mass, and holds
+  ``N`` rows per group from the prompt's end on (it runs as the tiered
+  seal with no far rows, below; :class:`kvreg.cache.Snap`).
 - The O(1) seal (``o1=(m, w, sink)`` or ``(m, w, sink, heavy)``): every
   global layer is a self-sealing layer (``o1_begin(..., auto=True,
   far=o1_far)``): it seals itself at the first decode step once it holds
@@ -99,11 +102,12 @@ import numpy as np
 
 from .. import _validate as V
 from ..batch import attend_batch
-from ..cache import Born, KvCache, Recent, resident_bytes
+from ..cache import Born, KvCache, Recent, Snap, check_policy, resident_bytes
 from ..errors import ConfigError, ShapeError
 from ..layer import LayerKvCache
 from ..lifecycle import Lifecycle
 from ..seal import FAR_FIELDS
+from ..tiered_seal import FAR_FORMATS
 from ..modes import Q8_EXACT_ROWS, KvMode
 from ..threads import _model
 
@@ -238,13 +242,18 @@ class KvregCache(R.RoutedCache):
     global layers at ``budget`` rows (see the module docstring; a budget
     without a policy uses ``EvictionPolicy.Born(sink=4)``). ``o1=(m, w,
     sink[, heavy])``: the O(1) seal on the global layers (not with a budget),
-    with the far field ``o1_far`` (``"tiered"`` or ``"nystrom"``). See the
-    module docstring for dtypes, batches and positions.
+    with the far field ``o1_far`` (``"tiered"`` or ``"nystrom"``); the tiered
+    one stores its far rows as ``o1_far_format`` (``"int4"``, ``"int2"`` or
+    ``"int8"``) and, with ``o1_observe=n``, chooses rows at the seal by the
+    prompt's last ``n`` queries (``Seal.begin``); ``o1_sliding=True`` seals
+    the sliding-window layers too (each within its window, no sinks). See
+    the module docstring for dtypes, batches and positions.
     """
 
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
                  budget: int | None = None, sink: int = 0, o1: tuple[int, ...] | None = None,
-                 o1_far: str = "tiered", q8_exact_rows: int = Q8_EXACT_ROWS):
+                 o1_far: str = "tiered", o1_far_format: str = "int4", o1_observe: int = 0,
+                 o1_sliding: bool = False, q8_exact_rows: int = Q8_EXACT_ROWS):
         if not (hasattr(model, "config") and hasattr(model.config, "get_text_config")
                 and isinstance(model, torch.nn.Module)):
             raise ConfigError(f"KvregCache expects a transformers causal LM, got {type(model).__name__}")
@@ -261,11 +270,18 @@ class KvregCache(R.RoutedCache):
             policy = Born(4) if policy is None else policy
         elif policy is not None:
             raise ConfigError("an eviction policy needs budget=N (rows kept per global layer)")
-        if policy is not None and not isinstance(policy, (Born, Recent)):
-            raise ConfigError(f"policy must be EvictionPolicy.Recent or EvictionPolicy.Born(sink), got {policy!r}")
+        if policy is not None:
+            check_policy(policy)
         self.sink = int(V.nonneg_int("sink", sink))
-        if isinstance(policy, Born):
-            V.nonneg_int("Born.sink", policy.sink)
+        if isinstance(policy, Snap):
+            if o1 is not None:
+                raise ConfigError("o1 and budget both bound the cache; pass one of them")
+            heavy = budget - policy.sink - policy.recent
+            if heavy < 0:
+                raise ConfigError(f"EvictionPolicy.Snap keeps sink + recent = {policy.sink + policy.recent} rows; "
+                                  f"budget={budget} is smaller")
+            # Snap is the tiered seal without far rows (kvreg.cache.Snap).
+            o1, o1_observe, budget = (0, policy.recent, policy.sink, heavy), policy.observe, None
         if o1 is not None:
             if budget is not None:
                 raise ConfigError("o1 and budget both bound the cache; pass one of them")
@@ -276,11 +292,20 @@ class KvregCache(R.RoutedCache):
             o1 = tuple(int(x) for x in o1)
         if o1_far not in FAR_FIELDS:
             raise ConfigError(f"o1_far must be one of {', '.join(map(repr, FAR_FIELDS))}, got {o1_far!r}")
+        if o1_far_format not in FAR_FORMATS:
+            raise ConfigError(f"o1_far_format must be one of {', '.join(map(repr, FAR_FORMATS))}, "
+                              f"got {o1_far_format!r}")
+        o1_observe = int(V.nonneg_int("o1_observe", o1_observe))
+        o1_sliding = V.flag("o1_sliding", o1_sliding)
+        if o1_far != "tiered" and (o1_observe or o1_far_format != "int4" or o1_sliding):
+            raise ConfigError("o1_observe, o1_far_format and o1_sliding are the tiered far field's "
+                              "(o1_far='tiered')")
         shape = R.probe(model)
         if o1 is not None and (shape.softcap or shape.sinks):
             raise ConfigError("o1: the sealed far field has no attention soft-cap or learned sinks, which this "
                               "model's attention uses; use a plain cache or a budget")
         self.policy, self.budget, self.o1, self.o1_far = policy, budget, o1, o1_far
+        self.o1_far_format, self.o1_observe, self.o1_sliding = o1_far_format, o1_observe, o1_sliding
         self.backend = backend
         self.q8_exact_rows = q8_exact_rows
         self.num_layers = shape.num_layers
@@ -359,14 +384,17 @@ class KvregCache(R.RoutedCache):
         ``L`` x u32 sliding window (0: a global layer), ``L`` x u64 ``seen``,
         then per sequence a u64 length and its ``KvCache.export_wire()``
         container (``KVRC``: v2 records for F32, v3 storage records, bit for
-        bit, for every other mode; docs/wire.md). A cache with the O(1) seal
-        is refused (its overlay is not part of the wire format)."""
+        bit, for every other mode, each record with its CRC-32; docs/wire.md).
+        The ``KVRT`` header carries no checksum of its own: an import checks
+        every field of it against this cache. A cache with the O(1) seal
+        (``o1=...`` or ``EvictionPolicy.Snap``) is refused (its tiers are not
+        part of the wire format)."""
         import struct
 
         if self.o1 is not None:
-            raise ConfigError("KvregCache.export_wire: a cache with the O(1) seal (o1=...) cannot be exported "
-                              "(its Nyström overlay is not part of the wire format); use a plain, budget or "
-                              "sliding cache")
+            raise ConfigError("KvregCache.export_wire: a cache with the O(1) seal (o1=... or EvictionPolicy.Snap) "
+                              "cannot be exported (its tiers are not part of the wire format); use a plain, Born or "
+                              "Recent budget, or sliding cache")
         mode = self.mode.value.encode("ascii")
         head = [self.WIRE_MAGIC, struct.pack("<6I", self.WIRE_VERSION, len(self._seqs), self.num_layers,
                                              self.num_kv_heads, self.head_dim, len(mode)), mode,
@@ -394,8 +422,8 @@ class KvregCache(R.RoutedCache):
         from ..errors import WireError
 
         if self.o1 is not None:
-            raise ConfigError("KvregCache.import_wire: a cache with the O(1) seal (o1=...) cannot import "
-                              "(its overlay is not part of the wire format); build it without o1")
+            raise ConfigError("KvregCache.import_wire: a cache with the O(1) seal (o1=... or EvictionPolicy.Snap) "
+                              "cannot import (its tiers are not part of the wire format); build it without them")
         try:
             mv = memoryview(blob).cast("B")
         except TypeError:
@@ -642,9 +670,13 @@ class KvregCache(R.RoutedCache):
         """Store ``n`` new rows of one sequence and attend its ``n`` queries
         (``q [n, nh, hd]``, ``k``/``v`` head-major ``[kvh, n, hd]``); returns ``[n, nh, hd]``."""
         n, nh = q.shape[0], q.shape[1]
-        if self.o1 is not None and window is None and layer.seq_len == 0 and layer.lifecycle is Lifecycle.PLAIN:
+        if (self.o1 is not None and (window is None or self.o1_sliding) and layer.seq_len == 0
+                and layer.lifecycle is Lifecycle.PLAIN):
             m, w, sink, *heavy = self.o1
-            layer.o1_begin(m, w, sink, scale=scale, auto=True, far=self.o1_far, heavy=heavy[0] if heavy else None)
+            # a sliding layer's first rows leave its window: it keeps no sinks
+            layer.o1_begin(m, w, sink if window is None else 0, scale=scale, auto=True, far=self.o1_far,
+                           heavy=heavy[0] if heavy else None, far_format=self.o1_far_format,
+                           observe=self.o1_observe, window=window)
         born = isinstance(self.policy, Born)
         if layer.lifecycle is Lifecycle.SEALED:
             # A sealed layer takes a position at a time (a multi-token step: one by one).
@@ -673,6 +705,8 @@ class KvregCache(R.RoutedCache):
             # plain cache skips its column sums (2 % of a 4k prefill).
             out = layer.attend_chunk(q, b=n, s0=s0, heads_per_kv=nh // layer.num_kv_heads, scale=scale, window=window,
                                      importance=born or self.o1 is not None)
+        if layer.lifecycle is Lifecycle.COLLECTING:
+            layer.seal.seal_if_ready()   # at the prompt's end: its rows are not held past this forward
         self._bound(layer, window)
         return out
 
