@@ -1,6 +1,6 @@
 """A KVREG_DEVICE the chosen backend does not understand is an error naming
 the backends that take devices, and `kvreg info` reports a bad environment
-without a traceback (issue 18, item 7)."""
+without a traceback."""
 
 import os
 import subprocess

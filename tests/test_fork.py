@@ -1,4 +1,4 @@
-"""Forks: copy-on-write sequences sharing a parent's rows (issue 20 item 2).
+"""Forks: copy-on-write sequences sharing a parent's rows.
 
 A fork holds the parent's rows once; every mutation of any member leaves
 every other member bit-identical to a deep copy that saw the same calls.

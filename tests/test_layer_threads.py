@@ -1,6 +1,6 @@
 """A layer used from two threads at once takes turns (its public calls are
-serialized by a lock): no read sees a half-applied mutation (issue 18, item
-10; docs/reliability.md)."""
+serialized by a lock): no read sees a half-applied mutation
+(docs/reliability.md)."""
 
 import threading
 import time

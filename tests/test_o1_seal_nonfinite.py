@@ -1,6 +1,6 @@
 """An O(1) seal over NaN/inf rows or queries is a failed seal: ``o1_seal``
 returns False and latches, ``o1_seal_checked`` raises SealError and changes
-nothing (issue 18, item 9: it raised ShapeError from inside the fit)."""
+nothing (not a ShapeError raised from inside the fit)."""
 
 import numpy as np
 import pytest

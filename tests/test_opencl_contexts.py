@@ -1,6 +1,6 @@
 """OpenCL program and scratch caches follow the context, not the device:
 two selectors of one device, and backends made after ``reset_device()``,
-launch fine (issue 18, item 11: both gave INVALID_CONTEXT)."""
+launch fine (not INVALID_CONTEXT)."""
 
 import numpy as np
 import pytest

@@ -1,6 +1,6 @@
 """Every integer argument takes Python and numpy integers with identical
 results; out-of-range values and numbers float32 cannot hold are refused
-with a kvreg error before anything changes (issue 18, items 2 and 8)."""
+with a kvreg error before anything changes."""
 
 from fractions import Fraction
 

@@ -1,5 +1,5 @@
 """Wire refusals are WireErrors raised before any layer changes, for whole
-caches as for layers (issue 18, items 1, 5, 6 and 9)."""
+caches as for layers."""
 
 import struct
 

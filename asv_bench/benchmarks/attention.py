@@ -42,7 +42,7 @@ class AttendLayerDecodeHd256(AttendLayerDecode):
 
 class AttendLayerVsNumba:
     """A backend's decode throughput over kvreg-numba's on the same rows,
-    same process (issue 17: OpenCL on PoCL at least 0.5 at 4k-16k rows)."""
+    same process (OpenCL on PoCL: at least 0.5 at 4k-16k rows)."""
 
     params = [common.backend_names(), [4096, 16384]]
     param_names = ["backend", "rows"]

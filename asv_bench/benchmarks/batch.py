@@ -1,4 +1,4 @@
-"""Batched decode (issue 20): one layer of 32 sequences x 2k rows (32 Q / 8
+"""Batched decode: one layer of 32 sequences x 2k rows (32 Q / 8
 KV heads, hd 128, F32 and q8) through numba's ``attend_batch`` (one
 parallel launch), a Python loop of ``attend_layer`` over the same views,
 and torch's SDPA on the padded ``[32, 8, 2048, 128]`` batch (``enable_gqa``),

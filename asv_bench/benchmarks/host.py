@@ -1,5 +1,5 @@
 """kvreg inside a host: the small model's whole decode call, extend's layouts,
-and a decode step beside a competing busy process (issue 17's ratios, each
+and a decode step beside a competing busy process (the ratios, each
 measured in one process against its own reference)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ class SmallModelDecodeCall:
     round its 30 layers (``kvreg_tools.bench.SmallModelCall``), as ``append``
     + ``attend_layer``, as the one call ``append_attend`` and as the layer's
     prepared :class:`kvreg.DecodeStep`, against reading its K/V bytes at the
-    machine's stream bandwidth plus 10 µs (issue 17's bound: at most 1.5x)."""
+    machine's stream bandwidth plus 10 µs (the bound: at most 1.5x)."""
 
     params = [common.backend_names()]
     param_names = ["backend"]
@@ -68,7 +68,7 @@ class DecodeBesideABusyProcess:
     """A decode step (4k rows, 32/8 heads, hd 128, each call from memory)
     while another process spins on the same cores, over the same step on a
     quiet machine timed before and after (``kvreg_tools.bench.
-    quiet_and_busy``, as ``kvreg bench decode``; issue 17: at most 1.5x with
+    quiet_and_busy``, as ``kvreg bench decode``: at most 1.5x with
     kvreg's default thread budget)."""
 
     params = [common.backend_names()]

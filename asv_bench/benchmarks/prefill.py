@@ -40,7 +40,7 @@ class ChunkVsSDPA:
     """A 4k-token prefill chunk at SmolLM2's geometry (9 Q / 3 KV heads, hd
     64, from row 0) against torch's ``scaled_dot_product_attention(is_causal,
     enable_gqa)`` over the same rows, same process, on a quiet machine and
-    beside a process spinning on one core (issue 17: at most 1x SDPA)."""
+    beside a process spinning on one core (at most 1x SDPA)."""
 
     params = [common.backend_names()]
     param_names = ["backend"]

@@ -29,7 +29,7 @@ class Q8Append:
 
     def track_over_memcpy(self, name, kv):
         """One append (K and V) over copying the same two rows with numpy,
-        same process (issue 17: OpenCL's q8 append at most 20x)."""
+        same process (OpenCL's q8 append: at most 20x)."""
         dst = np.empty_like(self.rows[0])
 
         def copy():

@@ -139,7 +139,7 @@ _SPIN = "import time\nprint(flush=True)\nt = time.time() + 600\nwhile time.time(
 
 @contextlib.contextmanager
 def busy_process():
-    """Another process spinning on a core while inside (issue 17's competing
+    """Another process spinning on a core while inside (the competing
     process: a host's neighbour, a second model, a build), killed on the way
     out; it gives up by itself after 10 minutes. Entered once it spins, so a
     timing inside never samples the interpreter still starting. Yields the

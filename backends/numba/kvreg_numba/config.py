@@ -23,25 +23,12 @@ DECODE_BLOCK = 2048
 
 #: Bytes ahead of the row being read that the decode passes prefetch
 #: (``llvm.prefetch``, every 64-byte line of the row; 0 = none), by the host
-#: CPU LLVM names. Measured at 32/8 heads, hd 128, F32, on one core unless
-#: named:
-#:
-#: * AMD Zen 5 (stream-read probe 36-40 GB/s): 0.73 / 0.63 of the probe at
-#:   4k / 16k rows without, 0.81 / 0.76 at 4 KiB, 1.03-1.06 / 0.86-0.87 at
-#:   8 KiB, 1.03 / 0.78 at 16 KiB, 0.88 / 0.69 at 32 KiB;
-#: * AMD Zen 4 (``znver4``; probe 34-37 GB/s on two threads), GB/s at 16k /
-#:   64k rows, one thread: 21.3-22.9 / 21.2-22.1 at 4 KiB against 15.1-19.2
-#:   / 18.6-19.5 at 8 KiB (2 KiB close behind 4, 1 and 16 KiB lower); then,
-#:   a session later, none at all read 20.4-27.5 / 25.4-27.0 against
-#:   21.4-22.2 / 21.4-21.9 at 4 KiB (hd 64: 25.4-28.0 against 21.8-23.1;
-#:   two threads at best 45-52 against 35-43). Its hardware prefetcher
-#:   follows a row stream alone, and the hints only take its fill buffers
-#:   (docs/figures.md, 2026-12-06);
-#: * an Intel Xeon with AVX-512 and AMX (LLVM: ``rocketlake``), GB/s at 16k /
-#:   64k rows (from DRAM; 4k rows stay in its last-level cache, 21-23 GB/s
-#:   whatever the distance): 11.1 / 11.1 without, 12.6 / 12.4 at 512 B, 12.7 /
-#:   13.2 at 1 KiB, 13.0-13.9 / 13.4-13.6 at 2 KiB, 12.1 / 12.0 at 4 KiB,
-#:   10.7 / 10.8 at 8 KiB, 10.8 / 10.5 at 16 KiB.
+#: CPU LLVM names (``kvreg bench kernels`` measures them against the
+#: machine's stream read; the distances below won there). Zen 4's hardware
+#: prefetcher follows a row stream alone, and the hints only take its fill
+#: buffers; the other Zen cores gain from hints well ahead; an Intel Xeon
+#: with AVX-512 and AMX peaked near 2 KiB, with its last-level cache holding
+#: 4k rows whatever the distance.
 #:
 #: So none on Zen 4, 8 KiB on the other Zen cores (``znver*``; measured on
 #: Zen 5), 2 KiB elsewhere. The hd-256 passes, whose rows no hardware

@@ -48,9 +48,8 @@ WSUM_ROWS = 8
 #: line (the windowed value pass, :func:`_ir_wsum`, and the 4-head score
 #: loop, :data:`QK_WIDE`): 8 KiB of float32 rows at hd 256. A burst of
 #: hints per row (:func:`ir_prefetch`) did not keep up with rows of ~30 ns
-#: of arithmetic. One AMD Zen 4 core, 4 Q / 1 KV heads, rows from memory:
-#: the score loop read 24-26.5 GB/s 8 KiB ahead, 18-19 at 4 KiB, 24-25 at
-#: 16 KiB, 21 with the burst (docs/figures.md, 2026-12-06).
+#: of arithmetic; on a Zen 4 core the score loop read fastest 8 KiB ahead
+#: (``kvreg bench kernels``).
 HINT_ROWS = 8
 #: ``LANES``-wide chunks of channels a value pass holds for each of up to
 #: four heads in registers: 16 accumulators, half of AVX-512's 32 vector

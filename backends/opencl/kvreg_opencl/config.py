@@ -47,9 +47,9 @@ INLINE_VEC: bool | None = None
 #: Bytes ahead of the row being read that the attend kernels' score and
 #: value passes prefetch (cl/common.h, KVREG_PREFETCH): None = by device
 #: kind, 0 = no hints. Only for devices with one flat address space (PoCL's
-#: CPU device: the hint takes a generic pointer). On the 2-core Xeon of
-#: 2026-12-05, one PoCL thread, 8k / 16k rows: 10.0 / 19.2 ms a decode
-#: without, 7.8 / 16.4 ms at 1-4 KiB alike. A hint: no value depends on it.
+#: CPU device: the hint takes a generic pointer). On a Xeon with one PoCL
+#: thread, 1-4 KiB ahead decoded faster than no hints, alike (``kvreg bench
+#: kernels``). A hint: no value depends on it.
 PREFETCH_BYTES: int | None = None
 PREFETCH_BYTES_CPU = 2048
 
