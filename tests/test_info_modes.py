@@ -1,10 +1,18 @@
-"""`kvreg info` lists every KV mode with its bytes/element and measured KL."""
+"""`kvreg info` lists every KV mode with its bytes/element and its measured KL,
+read from kvreg's shipped benchmark records (kvreg/results/*.json)."""
 
+import fnmatch
+import json
 import re
+import sys
+from pathlib import Path
 
 import kvreg
-from kvreg import measured
+from kvreg import cli
 from kvreg.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "kvreg" / "results"
 
 
 def _info(capsys, monkeypatch) -> str:
@@ -24,6 +32,15 @@ def _sizes(out: str) -> dict[str, tuple[float, float]]:
     return found
 
 
+def _mode_lines(out: str) -> dict[str, str]:
+    section = out.split("KV modes", 1)[1].splitlines()[1:]
+    return {line.split()[0]: line for line in section if "bytes/element" in line}
+
+
+def _records() -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+
+
 def test_info_lists_every_kv_mode_with_its_bytes_per_element(capsys, monkeypatch):
     out = _info(capsys, monkeypatch)
     sizes = _sizes(out)
@@ -35,22 +52,62 @@ def test_info_lists_every_kv_mode_with_its_bytes_per_element(capsys, monkeypatch
     assert all(0 < a < 4 and 0 < b < 4 for mode, (a, b) in sizes.items() if mode != "f32")
 
 
-def test_info_prints_the_measured_kl_and_its_command(capsys, monkeypatch):
+def test_info_prints_each_records_kl_top1_date_and_command(capsys, monkeypatch):
     out = _info(capsys, monkeypatch)
-    assert f"measured with: {measured.COMMAND}" in out
-    lines = {line.split()[0]: line for line in out.split("KV modes", 1)[1].splitlines()[1:] if line.strip()}
-    for mode, per_model in measured.KL.items():
-        for kl, top1 in per_model.values():
-            assert f"{kl:.2e}" in lines[mode]
-            if top1 is not None:
-                assert f"{100 * top1:.1f}%" in lines[mode]
-    unmeasured = [m.value for m in kvreg.KvMode if m.value not in measured.KL]
-    for mode in unmeasured:
-        assert "KL — / —" in lines[mode]   # not measured: a dash, not a number
+    lines = _mode_lines(out)
+    modes = {m.value for m in kvreg.KvMode}
+    records = [r for r in _records() if r["kind"] == "eval" and all(x["config"] in modes for x in r["results"])]
+    assert records, "kvreg/results holds no eval record"
+    models = ["smollm2-135m", "gemma3-270m"]         # the order of the sizes: SmolLM2 / Gemma-3
+    assert {r["model"] for r in records} == set(models)
+    assert f"SmolLM2-135M 3x64 / Gemma-3-270M 1x256; mean KL (top-1), {' / '.join(models)}):" in out
+    for rec in records:
+        assert f"  measured {rec['date']} on {rec['machine']['cpu']}: {rec['command']}" in out
+        for row in rec["results"]:
+            if row["config"] in lines:
+                kl = lines[row["config"]].split(" KL ", 1)[1].split(" / ")
+                assert kl[models.index(rec["model"])].startswith(f"{row['kl_mean']:.2e} ({100 * row['top1']:.1f}%)")
+    measured = {row["config"] for r in records for row in r["results"]}
+    for mode in {m.value for m in kvreg.KvMode} - measured:
+        assert "KL " + " / ".join(["—"] * len(models)) + " " in lines[mode]   # not measured: dashes, not numbers
 
 
-def test_measured_figures_name_known_modes_and_models():
-    values = {m.value for m in kvreg.KvMode}
-    for mode, per_model in measured.KL.items():
-        assert mode in values
-        assert set(per_model) <= set(measured.MODELS)
+def test_the_later_record_of_a_mode_and_model_wins(tmp_path, monkeypatch):
+    pkg = tmp_path / "kvreg"
+    (pkg / "results").mkdir(parents=True)
+
+    def rec(date, kl):
+        return {"kind": "eval", "model": "m", "date": date, "command": f"run {date}", "machine": {"cpu": "c"},
+                "results": [{"config": "q8", "kl_mean": kl, "top1": 0.5}]}
+
+    budget = dict(rec("2026-03-01", 3e-4), results=[{"config": "q8", "kl_mean": 3e-4}, {"config": "born:8", "kl_mean": 1.0}])
+    (pkg / "results" / "a.json").write_text(json.dumps(rec("2026-02-01", 2e-4)))
+    (pkg / "results" / "c.json").write_text(json.dumps(budget))   # not modes alone: another protocol
+    (pkg / "results" / "b.json").write_text(json.dumps([rec("2026-01-01", 1e-4)]))
+    (pkg / "results" / "notes.txt").write_text("not a record")
+    monkeypatch.setattr("importlib.resources.files", lambda name: pkg)
+    models, figures, used = cli.measured_modes()
+    assert models == ["m"] and figures == {"q8": {"m": (2e-4, 0.5)}}
+    assert [r["date"] for r in used] == ["2026-02-01"]
+
+
+def test_a_broken_record_leaves_the_rest_of_info_printed(capsys, monkeypatch):
+    def broken():
+        raise ValueError("kvreg/results/x.json: Expecting value")
+
+    monkeypatch.setattr(cli, "measured_modes", broken)
+    out = _info(capsys, monkeypatch)
+    assert "measured KL: ERROR: ValueError: kvreg/results/x.json" in out
+    assert set(_sizes(out)) == {m.value for m in kvreg.KvMode}
+
+
+def test_the_records_ship_as_package_data():
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = conf["tool"]["setuptools"]["package-data"]["kvreg"]
+    files = [p.relative_to(ROOT / "kvreg").as_posix() for p in RESULTS.glob("*.json")]
+    assert files
+    assert all(any(fnmatch.fnmatch(f, pat) for pat in patterns) for f in files)

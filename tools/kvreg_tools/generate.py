@@ -3,11 +3,15 @@
 Greedy generation of the same prompt twice, once through
 :class:`~kvreg.integrations.transformers.KvregCache` and once through
 transformers' ``DynamicCache`` (SDPA), printing the text, tokens/s and the
-cache bytes of each, and whether the tokens agree.
+cache bytes of each, and whether the tokens agree. A generation's tokens/s
+is the whole model's (prompt included), so it differs from the per-token
+times of ``kvreg eval``, which scores many caches in lockstep; both say when
+other processes kept the machine busy (:class:`kvreg_tools.report.Load`).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -26,9 +30,12 @@ def main(args) -> int:
     from transformers import DynamicCache
 
     from kvreg import models
-    from .evaluation import cache_bytes, cache_keyword
     from kvreg.integrations.transformers import KvregCache
+    from .evaluation import cache_bytes, cache_keyword
+    from .report import Load
 
+    print(f"kvreg generate: loading {args.model} (the first load converts its weights: ~1 min; cached after)",
+          file=sys.stderr, flush=True)
     model, tok = models.load(args.model)
     inputs = _chat_inputs(tok, args.prompt)
     n_in = inputs["input_ids"].shape[1]
@@ -36,10 +43,16 @@ def main(args) -> int:
     rows = []
     outputs = {}
     kv = KvregCache(model, mode=args.kv, backend=args.backend)
-    # Warm the backend (a numba compile is seconds, once per machine) before timing.
+    # Compiled kernels load (or, on a machine that never ran them, compile) at
+    # their first call: outside the timings.
+    print(f"kvreg generate: preparing the {kv.backend_name} backend's kernels (minutes on a machine that never "
+          "compiled them; loaded from disk after) ...", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=2, do_sample=False, **{kw: KvregCache(model, mode=args.kv,
                                                                                         backend=args.backend)})
+    print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    load = Load()
     for label, cache in ((f"kvreg {kv.mode.value} ({kv.backend_name})", kv),
                          ("DynamicCache + SDPA", DynamicCache(config=model.config))):
         t0 = time.perf_counter()
@@ -61,4 +74,8 @@ def main(args) -> int:
     a, b = outputs.values()
     same = a.shape == b.shape and bool(torch.equal(a, b))
     print(f"tokens identical to DynamicCache's: {'yes' if same else 'no'}")
+    print("tokens/s: the whole greedy generation, model included; KV cache: the cache's bytes at the end")
+    warning = load.warning()
+    if warning:
+        print(f"kvreg generate: {warning}")
     return 0

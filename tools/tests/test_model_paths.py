@@ -71,8 +71,8 @@ def test_eval_scores_a_checkpoint_directory(checkpoint, tmp_path):
     out = tmp_path / "eval.json"
     assert main(["eval", "--model", str(checkpoint), "--text", str(text), "--tokens", "64", "--prefix", "32",
                  "--configs", "dynamic,q8", "--json", str(out), "--no-progress"]) == 0
-    (rep,) = json.loads(out.read_text())
-    ref, dyn, q8 = rep["results"]
+    rep = json.loads(out.read_text())           # one model and text: one record
+    ref, (dyn, q8) = rep["reference"], rep["results"]
     assert rep["model"] == str(checkpoint) and rep["scored"] == 32
     assert dyn["kl_mean"] < 1e-6 and abs(dyn["ppl"] / ref["ppl"] - 1) < 1e-4
     assert q8["kv_bytes"] < 0.4 * ref["kv_bytes"]

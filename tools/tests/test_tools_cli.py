@@ -15,7 +15,7 @@ import pytest
 from kvreg import cli
 
 TOOLS = Path(__file__).resolve().parents[1]
-COMMANDS = {"generate", "eval", "bench", "demo"}
+COMMANDS = {"generate", "eval", "bench", "demo", "report"}
 #: The research scripts (research/): nothing shipped carries them.
 RESEARCH = {"kv_quant_study", "o1_report", "q8_report", "realistic", "real_attention", "real_attention_capture"}
 
@@ -59,7 +59,7 @@ def test_tools_wheel_carries_the_commands_and_no_research_code(tmp_path):
     with zipfile.ZipFile(whl) as zf:
         names = set(zf.namelist())
         eps = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert {f"kvreg_tools/{m}.py" for m in ("cli", "bench", "evaluation", "generate", "demo")} <= names
+    assert {f"kvreg_tools/{m}.py" for m in ("cli", "bench", "evaluation", "generate", "demo", "report")} <= names
     assert "[kvreg.commands]" in eps
     research = [n for n in names if Path(n).stem in RESEARCH or Path(n).suffix == ".npz"]
     assert not research, f"research code or data in the kvreg-tools wheel: {research}"
