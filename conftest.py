@@ -11,6 +11,7 @@ test`` then ``make test-full`` run every test once.
 from __future__ import annotations
 
 import pytest
+
 from kvreg_conformance.plugin import profile
 
 #: The slow kinds, each a registered marker (pyproject.toml) of the full tier.

@@ -306,7 +306,7 @@ class BoundedState:
         """Moves on every mutation of the ring (a device mirror's key)."""
         return self._version
 
-    def view(self, weights: "BoundedWeights", rope: "BoundedRope") -> RingView:
+    def view(self, weights: BoundedWeights, rope: BoundedRope) -> RingView:
         """The ring at this version with what attending it needs, read-only."""
         return ring_view(self.ring_k, self.ring_v, self._seen, weights.sink_k, weights.sink_v,
                          weights.group_windows, rope, owner=self, version=self._version,

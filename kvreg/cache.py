@@ -11,7 +11,6 @@ from .layer import LayerKvCache
 from .modes import Q8_EXACT_ROWS, KvMode
 from .wire import decode_cache, decode_layer, encode_cache
 
-
 #: The most layers a cache builds (models have at most a few hundred).
 MAX_LAYERS = 2**16
 
@@ -77,7 +76,8 @@ def resident_bytes(*caches) -> int:
         elif hasattr(c, "__iter__") and not isinstance(c, (str, bytes)):
             stack.extend(c)
         else:
-            raise ConfigError(f"resident_bytes takes KvCache, LayerKvCache or iterables of them, got {type(c).__name__}")
+            raise ConfigError("resident_bytes takes KvCache, LayerKvCache or iterables of them, "
+                              f"got {type(c).__name__}")
     return total
 
 
@@ -131,7 +131,7 @@ class KvCache:
         :func:`resident_bytes` counts them once across sequences)."""
         return sum(layer.memory_bytes() for layer in self.layers)
 
-    def fork(self) -> "KvCache":
+    def fork(self) -> KvCache:
         """A new sequence holding this one's rows copy-on-write, every layer
         :meth:`LayerKvCache.fork`: ``N`` forks of a prompt hold its rows
         once while each decodes on (:func:`resident_bytes`)."""

@@ -7,7 +7,7 @@ registers through the very same hook (``kvreg._reference_plugin``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

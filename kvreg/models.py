@@ -24,8 +24,8 @@ another maps; delete the folder to rebuild it.
 
 from __future__ import annotations
 
-import importlib.util
 import hashlib
+import importlib.util
 import json
 import os
 import shutil

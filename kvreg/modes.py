@@ -163,13 +163,13 @@ class KvMode(enum.Enum):
         return self in (KvMode.F16, KvMode.BF16)
 
     @property
-    def float_dtype(self) -> "np.dtype":
+    def float_dtype(self) -> np.dtype:
         """The dtype of an unquantized K/V block: float32, float16, or uint16
         holding bfloat16 bit patterns (numpy has no bfloat16)."""
         return np.dtype({KvMode.F16: np.float16, KvMode.BF16: np.uint16}.get(self, np.float32))
 
     @classmethod
-    def parse(cls, value: "str | KvMode") -> "KvMode":
+    def parse(cls, value: str | KvMode) -> KvMode:
         """A mode from its name as ``KVREG_KV`` spells it (case-insensitive)."""
         if isinstance(value, KvMode):
             return value
@@ -180,7 +180,7 @@ class KvMode(enum.Enum):
         return cls[_ENV_VALUES[key]]
 
     @classmethod
-    def from_env(cls) -> "KvMode":
+    def from_env(cls) -> KvMode:
         """``KVREG_KV``: unset or ``f32``; ``f16``, ``bf16``; ``q4``; ``q2``; ``q8``, ``q8k``, ``q8v``; the seed's
         ``q8_2f``, ``q8k_2f``, ``q8v_2f``.
 

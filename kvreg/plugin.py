@@ -56,7 +56,6 @@ from . import bounded, nystrom, tiered_seal
 from .modes import KvMode
 from .views import DecodeSlot, KvView, RingView
 
-
 #: The kernels every backend implements (abstract on :class:`Backend`).
 CORE_KERNELS = (
     "attend_group",

@@ -17,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import quant
-from .plugin import Backend, KvView
 from .modes import KV_K_GROUP, KvMode
+from .plugin import Backend
 
 _SKIP = np.float32(1e-12)
 

@@ -15,8 +15,8 @@ import warnings
 import pluggy
 
 from . import hookspecs
-from .plugin import Backend
 from .errors import BackendError
+from .plugin import Backend
 
 _lock = threading.Lock()
 _backends: dict[str, type[Backend]] | None = None
@@ -56,7 +56,8 @@ def _collect() -> dict[str, type[Backend]]:
             _refuse(repr(cls), f"register() takes a kvreg.plugin.Backend subclass, got {cls!r}")
             return
         if cls.__abstractmethods__:
-            _refuse(cls.name, f"backend {cls.__name__} does not implement {', '.join(sorted(cls.__abstractmethods__))}: "
+            missing = ", ".join(sorted(cls.__abstractmethods__))
+            _refuse(cls.name, f"backend {cls.__name__} does not implement {missing}: "
                               "implement them, or subclass kvreg.reference.ReferenceBackend to inherit them")
             return
         why = cls.declaration_error()

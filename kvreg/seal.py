@@ -36,9 +36,9 @@ import numpy as np
 
 from . import _validate as V
 from .errors import ConfigError, SealError, ShapeError, StateError
+from .eviction import observed_mass
 from .lifecycle import Lifecycle
 from .nystrom import O1Rect, o1_deferred_boundary, seal_groups
-from .eviction import observed_mass
 from .tiered_seal import FAR_FORMATS, TieredSeal, exact_format
 
 if TYPE_CHECKING:

@@ -53,8 +53,21 @@ import numpy as np
 
 from .errors import ConfigError, ShapeError
 from .modes import Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
-from .quant import (dequantize_half_scaled, dequantize_int2, from_bf16, fwht, num_groups, pack_int2, pack_int4,
-                    quantize_half_scaled, quantize_int2, rotates, to_bf16, unpack_int2, unpack_int4)
+from .quant import (
+    dequantize_half_scaled,
+    dequantize_int2,
+    from_bf16,
+    fwht,
+    num_groups,
+    pack_int2,
+    pack_int4,
+    quantize_half_scaled,
+    quantize_int2,
+    rotates,
+    to_bf16,
+    unpack_int2,
+    unpack_int4,
+)
 
 __all__ = ["TieredSeal", "Tier", "exact_format", "far_rows", "seal_bytes", "equal_rows", "tiered_attend"]
 
@@ -307,7 +320,8 @@ class TieredSeal:
             return
         g = np.arange(self.nkv)
         # expired rows first, then least mass; the newest w last, the oldest of them first
-        key = np.where(old, -np.inf, np.where(pos >= self.seen - self.w, 1e12 + pos, t.mass[:, :t.n].astype(np.float64)))
+        key = np.where(old, -np.inf,
+                       np.where(pos >= self.seen - self.w, 1e12 + pos, t.mass[:, :t.n].astype(np.float64)))
         for _ in range(d):
             out = self._least(key, t.pos[:, :t.n], None)
             t.move(g, out, t.n - 1)

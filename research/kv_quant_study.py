@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prefix", type=int, default=256)
     ap.add_argument("--schemes", default=DEFAULT_SCHEMES,
-                    help="comma list of presets (%s) or specs" % ", ".join(PRESETS))
+                    help=f"comma list of presets ({', '.join(PRESETS)}) or specs")
     ap.add_argument("--bytes-rows", type=int, default=2048, help="rows per head at which bytes/el are counted")
     ap.add_argument("--check-sdpa", action="store_true",
                     help="also report the stock SDPA forward against this harness's reference")
@@ -489,7 +489,7 @@ def main(argv=None) -> int:
             if args.check_sdpa:
                 kl, p99, top = compare(ref, sd)
                 print(f"stock SDPA vs harness reference: KL {kl:.2e}, top-1 {100 * top:.2f}%\n", flush=True)
-            print("| scheme | spec | bytes/el @%d (K, V) | mean KL | p99 KL | top-1 | s |" % args.bytes_rows)
+            print(f"| scheme | spec | bytes/el @{args.bytes_rows:d} (K, V) | mean KL | p99 KL | top-1 | s |")
             print("|---|---|---:|---:|---:|---:|---:|", flush=True)
             for s in schemes:
                 t1 = time.perf_counter()

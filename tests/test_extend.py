@@ -2,11 +2,10 @@
 
 import numpy as np
 import pytest
+from pairwise import params
 
 from kvreg import KvMode, LayerKvCache, ShapeError
 from kvreg_conformance import startable_backends
-from pairwise import params
-
 
 ALIVE = {None: "alive-none", (True, False, True): "dead-head", (True, True, True): "all-alive"}
 

@@ -80,7 +80,8 @@ def test_the_later_record_of_a_mode_and_model_wins(tmp_path, monkeypatch):
         return {"kind": "eval", "model": "m", "date": date, "command": f"run {date}", "machine": {"cpu": "c"},
                 "results": [{"config": "q8", "kl_mean": kl, "top1": 0.5}]}
 
-    budget = dict(rec("2026-03-01", 3e-4), results=[{"config": "q8", "kl_mean": 3e-4}, {"config": "born:8", "kl_mean": 1.0}])
+    budget = dict(rec("2026-03-01", 3e-4),
+                  results=[{"config": "q8", "kl_mean": 3e-4}, {"config": "born:8", "kl_mean": 1.0}])
     (pkg / "results" / "a.json").write_text(json.dumps(rec("2026-02-01", 2e-4)))
     (pkg / "results" / "c.json").write_text(json.dumps(budget))   # not modes alone: another protocol
     (pkg / "results" / "b.json").write_text(json.dumps([rec("2026-01-01", 1e-4)]))

@@ -6,7 +6,7 @@ import struct
 import numpy as np
 import pytest
 
-from kvreg import KvCache, KvMode, LayerKvCache, WireError, WIRE_MAGIC
+from kvreg import WIRE_MAGIC, KvCache, KvMode, LayerKvCache, WireError
 from kvreg.bounded import BoundedRope, BoundedWeights
 
 
@@ -136,8 +136,8 @@ def test_bounded_layer_steps_and_rolls_back_through_truncate_last():
     weights = BoundedWeights(np.zeros((kvh, 1, hd), np.float32), np.zeros((kvh, 1, hd), np.float32), 1, [w, 2])
     rope = BoundedRope(10000.0, hd)
     for p in range(6):
-        out = c.bounded_step(pseudo_random_row(p, 4 * hd, 1), pseudo_random_row(p, kvh * hd, 2), pseudo_random_row(p, kvh * hd, 3),
-                             weights, rope, 0.5, 4)
+        out = c.bounded_step(pseudo_random_row(p, 4 * hd, 1), pseudo_random_row(p, kvh * hd, 2),
+                             pseudo_random_row(p, kvh * hd, 3), weights, rope, 0.5, 4)
         assert out.shape == (4, hd)
     assert c.seq_len == 6
     mem = c.memory_bytes()
@@ -158,7 +158,8 @@ def test_bounded_state_bytes_constant_in_tokens():
         if p in (1, 100, 9_999):
             sizes.add(c.bounded_state_bytes())
         c.bounded.insert(pseudo_random_row(p, hd, 1), pseudo_random_row(p, hd, 2))
-    c.bounded_step(pseudo_random_row(0, hd, 1), pseudo_random_row(0, hd, 1), pseudo_random_row(0, hd, 1), weights, rope, 0.5, 1)
+    row = pseudo_random_row(0, hd, 1)
+    c.bounded_step(row, row, row, weights, rope, 0.5, 1)
     sizes.add(c.bounded_state_bytes())
     assert len(sizes) == 1
 

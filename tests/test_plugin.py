@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kvreg
-from kvreg import BackendError, registry
+from kvreg import registry
 from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights
 from kvreg.plugin import CAPABILITIES, CORE_KERNELS, KERNELS, Backend, KvView, RingView
 from kvreg.reference import ReferenceBackend

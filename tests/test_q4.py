@@ -145,9 +145,12 @@ def test_a_prefill_chunk_attends_its_own_rows_as_handed_over(mode):
     c.extend(k[s0:], v[s0:])
     # what the older rows hold, back in the caller's basis
     st = c.storage
-    back = {s: (lambda x, r=getattr(st, "rot_" + s): fwht(x) if r else x) for s in "kv"}
-    old_k = np.stack([back["k"](st.attended_rows("k", h, 0, s0)) for h in range(nkv)], 1)
-    old_v = np.stack([back["v"](st.attended_rows("v", h, 0, s0)) for h in range(nkv)], 1)
+
+    def back(side, x):
+        return fwht(x) if getattr(st, "rot_" + side) else x
+
+    old_k = np.stack([back("k", st.attended_rows("k", h, 0, s0)) for h in range(nkv)], 1)
+    old_v = np.stack([back("v", st.attended_rows("v", h, 0, s0)) for h in range(nkv)], 1)
     f = LayerKvCache(nkv, hd, "f32", "reference")
     f.extend(np.concatenate([old_k, k[s0:]]), np.concatenate([old_v, v[s0:]]))
     q = rows(b, 3 * nkv, hd, 7)

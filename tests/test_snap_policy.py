@@ -15,7 +15,6 @@ from kvreg import EvictionPolicy  # noqa: E402
 from kvreg.errors import ConfigError, KvregError  # noqa: E402
 from kvreg.integrations.transformers import KvregCache  # noqa: E402
 from kvreg.tiered_seal import seal_bytes  # noqa: E402
-
 from tests.test_transformers_families import COMMON, tiny_model  # noqa: E402
 
 PROMPT, STEPS = 80, 6

@@ -60,7 +60,7 @@ def _expected(state, k, v, q):
                                        ("q4", "int8")])
 def test_a_step_is_softmax_over_both_tiers_as_they_store_their_rows(mode, fmt):
     layer, rng, _ = _layer(8, 8, 2, 60, mode=mode)
-    for i in range(80):
+    for _ in range(80):
         k, v, q = _token(rng)
         layer.append(k, v)
         state = layer.seal.phase.tiered
@@ -217,7 +217,8 @@ def test_far_formats_reconstruct_within_their_step(fmt, bits):
 def test_int2_rows_cost_less_than_int4_and_fill_more_rows():
     assert Tier.row_bytes("int2", 64) < Tier.row_bytes("int4", 64)
     assert far_rows(64, 64, "int2") > far_rows(64, 64) > far_rows(64, 64, "int8")
-    assert seal_bytes(8, 16, 4, HD, NKV, far_format="int2") <= seal_bytes(8, 16, 4, HD, NKV) + Tier.row_bytes("int2", HD) * NKV
+    int2_row = Tier.row_bytes("int2", HD) * NKV
+    assert seal_bytes(8, 16, 4, HD, NKV, far_format="int2") <= seal_bytes(8, 16, 4, HD, NKV) + int2_row
 
 
 def test_a_per_group_mass_chooses_rows_per_group():

@@ -22,9 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+
 from kvreg.errors import ConfigError, KvregError  # noqa: E402
 from kvreg.integrations.transformers import KvregCache  # noqa: E402
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,

@@ -12,12 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from transformers import DynamicCache  # noqa: E402
+
 import kvreg  # noqa: E402
 from kvreg import EvictionPolicy  # noqa: E402
 from kvreg.errors import ConfigError  # noqa: E402
 from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache  # noqa: E402
 from kvreg_conformance import startable_backends  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 # SmolLM2 in the default tier; Gemma-3 (sliding layers) in the full tier.

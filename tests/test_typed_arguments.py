@@ -16,7 +16,7 @@ INT_TYPES = [int, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, n
 def busy(mode=KvMode.F32, rows=20, nkv=2, hd=4):
     c = LayerKvCache(nkv, hd, mode, "reference")
     rng = np.random.default_rng(3)
-    for i in range(rows):
+    for _ in range(rows):
         c.append(rng.standard_normal(nkv * hd).astype(np.float32), rng.standard_normal(nkv * hd).astype(np.float32))
     c.accumulate_imp(rng.random(rows).astype(np.float32))
     return c
@@ -31,24 +31,24 @@ def snapshot(c):
 
 Q = np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4)
 
-# (name, call(layer, I) -> result); I converts a Python int to the type under test.
+# (name, call(layer, T) -> result); T converts a Python int to the type under test.
 CALLS = [
-    ("trim_window", lambda c, I: c.trim_window(I(8), I(30), I(1))),
-    ("trim_window drains", lambda c, I: c.trim_window(I(4), I(2), I(3))),
-    ("trim_window_anchored", lambda c, I: c.trim_window_anchored(I(4), I(1), I(2), I(12))),
-    ("evict", lambda c, I: c.evict(I(5))),
-    ("evict_born", lambda c, I: c.evict_born(I(9), I(2), I(3))),
-    ("truncate_last", lambda c, I: c.truncate_last(I(3))),
-    ("attend", lambda c, I: c.attend(Q[0], I(1))),
-    ("attend_group first upto", lambda c, I: c.attend_group(Q, I(1), scale=0.5, first=I(2), upto=I(11))),
-    ("attend_group upto past rows", lambda c, I: c.attend_group(Q, I(0), scale=0.5, upto=I(200))),
-    ("attend_layer window", lambda c, I: c.attend_layer(np.tile(Q, (2, 1)), window=I(7))),
-    ("attend_layer window past rows", lambda c, I: c.attend_layer(np.tile(Q, (2, 1)), window=I(250))),
-    ("head_len", lambda c, I: c.head_len(I(1))),
-    ("head_keys", lambda c, I: c.head_keys(I(1)).tobytes()),
-    ("seq_len setter", lambda c, I: setattr(c, "seq_len", I(25))),
-    ("o1_boundary_crossed_by", lambda c, I: (c.o1_begin_with_boundary(I(4), I(2), I(1), seal_at=I(22), far="nystrom"),
-                                             c.o1_boundary_crossed_by(I(3)), c.o1_pending_boundary())),
+    ("trim_window", lambda c, T: c.trim_window(T(8), T(30), T(1))),
+    ("trim_window drains", lambda c, T: c.trim_window(T(4), T(2), T(3))),
+    ("trim_window_anchored", lambda c, T: c.trim_window_anchored(T(4), T(1), T(2), T(12))),
+    ("evict", lambda c, T: c.evict(T(5))),
+    ("evict_born", lambda c, T: c.evict_born(T(9), T(2), T(3))),
+    ("truncate_last", lambda c, T: c.truncate_last(T(3))),
+    ("attend", lambda c, T: c.attend(Q[0], T(1))),
+    ("attend_group first upto", lambda c, T: c.attend_group(Q, T(1), scale=0.5, first=T(2), upto=T(11))),
+    ("attend_group upto past rows", lambda c, T: c.attend_group(Q, T(0), scale=0.5, upto=T(200))),
+    ("attend_layer window", lambda c, T: c.attend_layer(np.tile(Q, (2, 1)), window=T(7))),
+    ("attend_layer window past rows", lambda c, T: c.attend_layer(np.tile(Q, (2, 1)), window=T(250))),
+    ("head_len", lambda c, T: c.head_len(T(1))),
+    ("head_keys", lambda c, T: c.head_keys(T(1)).tobytes()),
+    ("seq_len setter", lambda c, T: setattr(c, "seq_len", T(25))),
+    ("o1_boundary_crossed_by", lambda c, T: (c.o1_begin_with_boundary(T(4), T(2), T(1), seal_at=T(22), far="nystrom"),
+                                             c.o1_boundary_crossed_by(T(3)), c.o1_pending_boundary())),
 ]
 
 

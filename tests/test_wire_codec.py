@@ -18,8 +18,17 @@ from hypothesis import strategies as st
 
 from kvreg.errors import ShapeError, WireError
 from kvreg.wire import (
-    BoundedRecord, Expect, LayerState, WireKind, check_exportable, decode_cache,
-    decode_layer, encode_cache, encode_full_body, encode_layer, inspect,
+    BoundedRecord,
+    Expect,
+    LayerState,
+    WireKind,
+    check_exportable,
+    decode_cache,
+    decode_layer,
+    encode_cache,
+    encode_full_body,
+    encode_layer,
+    inspect,
 )
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"

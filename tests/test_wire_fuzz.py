@@ -214,7 +214,7 @@ def layer_cases(rng, count):
     seeds[KvMode.F32] += [f32.export_wire(True)]
     f32.trim_window(2, 1, 1)
     seeds[KvMode.F32] += [f32.export_wire()]
-    for i in range(count):
+    for _ in range(count):
         mode = MODES[int(rng.integers(0, len(MODES)))]
         blob = seeds[mode][int(rng.integers(0, len(seeds[mode])))]
         if rng.random() < 0.5:
@@ -228,7 +228,7 @@ def layer_cases(rng, count):
 def container_cases(rng, count):
     """(mode, blob, must_refuse) for KvCache imports."""
     parts = {m: decode_cache(cache(m, 5, 1).export_wire()) for m in MODES}
-    for i in range(count):
+    for _ in range(count):
         mode = MODES[int(rng.integers(0, len(MODES)))]
         blob_parts = list(parts[mode])
         if rng.random() < 0.5:

@@ -10,7 +10,7 @@ from hypothesis import strategies as hs
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.bounded import BoundedRope, BoundedWeights
-from kvreg.wire import decode_cache, encode_cache, encode_full_body, LayerState
+from kvreg.wire import LayerState, decode_cache, encode_cache, encode_full_body
 
 NKV, HD, W = 2, 4, 4
 

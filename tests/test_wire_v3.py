@@ -26,7 +26,14 @@ from kvreg import KvCache, KvMode, LayerKvCache, WireError, WireKind
 from kvreg.cli import main
 from kvreg.modes import KV_COL_WARMUP, Q2_SINK_ROWS, Q4_SINK_ROWS, Q8_WINDOW
 from kvreg.wire import (
-    DTYPE_CODES, FLAG_CRC32, WIRE_VERSION_STORAGE, Expect, decode_cache, decode_layer, encode_cache, encode_layer,
+    DTYPE_CODES,
+    FLAG_CRC32,
+    WIRE_VERSION_STORAGE,
+    Expect,
+    decode_cache,
+    decode_layer,
+    encode_cache,
+    encode_layer,
     inspect,
 )
 from kvreg.wire.layer import storage_schema

@@ -124,6 +124,7 @@ def main() -> None:
     import os
 
     import numba
+
     from kvreg import get_num_threads
 
     sd = TorchSDPA()

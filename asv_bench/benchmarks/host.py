@@ -106,7 +106,7 @@ def main() -> None:
     for layout in ExtendLayouts.params[0]:
         e = ExtendLayouts()
         e.setup(layout)
-        t = min(timeit.repeat(lambda: e.time_extend(layout), number=20, repeat=3)) / 20
+        t = min(timeit.repeat(lambda e=e, layout=layout: e.time_extend(layout), number=20, repeat=3)) / 20
         print(f"extend 512 rows, {layout}: {t * 1e3:.3f} ms")
 
 

@@ -49,8 +49,11 @@ print(time.perf_counter() - t0)
 def compile_times() -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(HERE))
-        run = lambda: float(subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET], env=env, check=True,
-                                           capture_output=True, text=True).stdout.split()[-1])
+
+        def run():
+            return float(subprocess.run([sys.executable, "-c", _COMPILE_SNIPPET], env=env, check=True,
+                                        capture_output=True, text=True).stdout.split()[-1])
+
         return run(), run()
 
 

@@ -22,15 +22,15 @@ import argparse
 import time
 
 import numpy as np
+
 from kvreg.modes import KvMode
 from kvreg.storage import make_storage
-
 from kvreg_opencl import config, device, kernels, mirror
 
 NQ, NKV, HD = 32, 8, 128
 
 
-def make_storage(rows: int, mode: str, seed: int = 0):
+def random_view(rows: int, mode: str, seed: int = 0):
     """The view of a real layer storage holding ``rows`` random rows per
     head: float32 (``f32``), or int8 codes with random scales in the q8
     layout without a float16 window or a frozen field (``q8``: the
@@ -77,7 +77,6 @@ def timeit(fns, reps: int) -> tuple[list[float], list[float]]:
 def bench_bounded(window: int, reps: int, use_numba: bool):
     from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights
     from kvreg.reference import ReferenceBackend
-
     from kvreg_opencl.backend import OpenCLBackend
 
     rng = np.random.default_rng(2)
@@ -151,14 +150,14 @@ def main(argv=None):
     q = np.random.default_rng(1).standard_normal((NQ, HD), dtype=np.float32)
     scale = 1.0 / np.sqrt(HD)
     for rows in [int(r) for r in a.rows.split(",")]:
-        st = make_storage(rows, a.mode)
+        st = random_view(rows, a.mode)
         m = mirror.DeviceMirror(dev)
         m.sync(st)
         nbytes = kv_bytes(st)
-        fns = [lambda: kernels.attend_layer(m, q, lens=st.lens, scale=scale)]
+        fns = [lambda m=m, st=st: kernels.attend_layer(m, q, lens=st.lens, scale=scale)]
         if nk is not None:
             kw = {n: getattr(st, n) for n in ("k", "kq", "ks", "kcol", "kcol_set", "v", "vq", "vs", "vcol", "vcol_set")}
-            fns.append(lambda: nk.attend_layer(q, st.lens, scale=scale, **kw))
+            fns.append(lambda st=st, kw=kw: nk.attend_layer(q, st.lens, scale=scale, **kw))
         times, cpu = timeit(fns, a.reps)
         t_cl = times[0]
         line = (f"{a.mode} rows={rows:6d}  opencl {t_cl*1e3:8.3f} ms {nbytes/t_cl/1e9:6.2f} GB/s"

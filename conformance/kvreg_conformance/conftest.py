@@ -92,7 +92,8 @@ def _backend_lines() -> list[str]:
     be, err = _start_backend()
     if be is None:
         return [f"kvreg backend: {_STATE['name']} (device {_STATE['device'] or 'default'}): UNAVAILABLE: {err}"]
-    return [f"kvreg backend: {be.name}, device: {be.device}"] + [f"kvreg {line}" for line in type(be).capability_lines()]
+    return [f"kvreg backend: {be.name}, device: {be.device}"] + [
+        f"kvreg {line}" for line in type(be).capability_lines()]
 
 
 def pytest_report_header(config):

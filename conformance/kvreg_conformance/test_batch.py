@@ -64,7 +64,7 @@ def test_attend_batch_of_one_and_repeated_steps(backend, check, mode):
                 lay.append(rows[b, :nkv * hd], rows[b, nkv * hd:])
         q = np.stack([queries(40 + step + b, nkv * hpk, hd) for b in range(len(pairs))])
         out = kvreg.attend_batch(q, [one for one, _ in pairs])
-        for b, (one, two) in enumerate(pairs):
+        for b, (_, two) in enumerate(pairs):
             check.exact("attend_batch", out[b], two.attend_layer(q[b]), f"{mode.value} step {step} seq {b}")
     single = kvreg.attend_batch(q[:1], [pairs[0][0]])
     check.exact("attend_batch", single[0], pairs[0][1].attend_layer(q[0]), f"{mode.value}: a batch of one")

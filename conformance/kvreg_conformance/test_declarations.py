@@ -3,7 +3,6 @@ types the interface says, and the claims they make hold."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvreg import KvMode, LayerKvCache

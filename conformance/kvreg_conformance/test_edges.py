@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvreg import LayerKvCache
-from . import oracle
 
+from . import oracle
 from .checks import assert_same_storage
 from .data import ALL_MODES, filled, queries, rng_rows
 

@@ -13,8 +13,8 @@ import pytest
 from kvreg import KvMode, LayerKvCache
 from kvreg.bounded import BoundedRope, BoundedWeights
 from kvreg.quant import dequantize_rows
-from . import oracle
 
+from . import oracle
 from .data import ALL_MODES, filled, queries, rng_rows
 
 # Each case runs at the backend's tunables and at its small ones (conftest.py).

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvreg import KvMode, LayerKvCache
-from . import oracle
 
+from . import oracle
 from .data import ALL_MODES, queries, rng_rows
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from kvreg import EvictionPolicy, KvCache, KvMode, LayerKvCache, WireKind
 from kvreg.nystrom import O1Rect
-from . import oracle
 
+from . import oracle
 from .data import f32, pseudo_random_row
 
 

@@ -8,8 +8,6 @@ same pluggy hook a real plugin uses.
 
 from __future__ import annotations
 
-
-
 import numpy as np
 
 from kvreg import registry

@@ -32,6 +32,7 @@ def test_unknown_backend_exits_two(capsys):
 def test_a_failing_backend_exits_one_and_reports_the_failure(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HERE))
     import broken_backends
+
     from kvreg import registry
 
     registry.register_plugin(broken_backends.PLUGIN)   # the parent must know the name it is asked for

@@ -102,14 +102,14 @@ import numpy as np
 
 from .. import _validate as V
 from ..batch import attend_batch
-from ..cache import Born, KvCache, Recent, Snap, check_policy, resident_bytes
+from ..cache import Born, KvCache, Snap, check_policy, resident_bytes
 from ..errors import ConfigError, ShapeError
 from ..layer import LayerKvCache
 from ..lifecycle import Lifecycle
-from ..seal import FAR_FIELDS
-from ..tiered_seal import FAR_FORMATS
 from ..modes import Q8_EXACT_ROWS, KvMode
+from ..seal import FAR_FIELDS
 from ..threads import _model
+from ..tiered_seal import FAR_FORMATS
 
 try:
     import torch
@@ -180,7 +180,7 @@ class KvregLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: "KvregCache", index: int, sliding_window: int | None):
+    def __init__(self, owner: KvregCache, index: int, sliding_window: int | None):
         super().__init__()
         self.owner = owner
         self.index = index
@@ -348,7 +348,7 @@ class KvregCache(R.RoutedCache):
         """One :class:`kvreg.KvCache` per batch row (empty before the first forward)."""
         return list(self._seqs)
 
-    def fork(self) -> "KvregCache":
+    def fork(self) -> KvregCache:
         """A cache that continues from this one's state as a copy would,
         every sequence's rows shared copy-on-write (:meth:`kvreg.KvCache.fork`):
         prefill a shared prompt once, fork it per request, and the prompt's

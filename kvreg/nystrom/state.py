@@ -10,8 +10,16 @@ import numpy as np
 from kvreg.errors import ConfigError, ShapeError, StateError
 
 from . import estimator
-from .estimator import (FarField, O1Rect, far_fit, heavy_select, probe_log_den, recent_queries, segment_bounds,
-                        segment_means)
+from .estimator import (
+    FarField,
+    O1Rect,
+    far_fit,
+    heavy_select,
+    probe_log_den,
+    recent_queries,
+    segment_bounds,
+    segment_means,
+)
 
 __all__ = ["NystromState", "seal_groups"]
 
@@ -70,7 +78,7 @@ class NystromState:
     @classmethod
     def new_group(cls, m: int, w: int, sink: int, hpk: int, *, scale: float,
                   rect: O1Rect = O1Rect.Aggregate, rcond: float = 1e-3,
-                  kernels=None, heavy: int | None = None) -> "NystromState":
+                  kernels=None, heavy: int | None = None) -> NystromState:
         """The seed's constructor name; same arguments as ``__init__``."""
         return cls(m, w, sink, hpk, scale=scale, rect=rect, rcond=rcond, kernels=kernels,
                    heavy=heavy)

@@ -40,9 +40,26 @@ from __future__ import annotations
 
 from ._container import decode_cache, encode_cache, inspect
 from ._format import (
-    CACHE_MAGIC, CACHE_VERSION, CACHE_VERSIONS, DTYPE_CODES, FLAG_CRC32, HEADER_SIZE, MAX_POSITION, WIRE_MAGIC,
-    WIRE_VERSION, WIRE_VERSION_STORAGE, WIRE_VERSIONS, BlockRecord, BlockSpec, BoundedRecord, Expect, LayerState,
-    RowClass, StorageRecord, StorageSchema, WireKind,
+    CACHE_MAGIC,
+    CACHE_VERSION,
+    CACHE_VERSIONS,
+    DTYPE_CODES,
+    FLAG_CRC32,
+    HEADER_SIZE,
+    MAX_POSITION,
+    WIRE_MAGIC,
+    WIRE_VERSION,
+    WIRE_VERSION_STORAGE,
+    WIRE_VERSIONS,
+    BlockRecord,
+    BlockSpec,
+    BoundedRecord,
+    Expect,
+    LayerState,
+    RowClass,
+    StorageRecord,
+    StorageSchema,
+    WireKind,
 )
 from ._record import decode_layer, encode_layer
 from ._seed import check_exportable, encode_full_body

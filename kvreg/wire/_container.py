@@ -6,8 +6,18 @@ from __future__ import annotations
 from kvreg.errors import WireError
 
 from ._format import (
-    CACHE_HEAD, CACHE_MAGIC, CACHE_VERSION, CACHE_VERSIONS, U32, U32_MAX, U64, WIRE_VERSION_STORAGE, Reader,
-    crc32, uint, view,
+    CACHE_HEAD,
+    CACHE_MAGIC,
+    CACHE_VERSION,
+    CACHE_VERSIONS,
+    U32,
+    U32_MAX,
+    U64,
+    WIRE_VERSION_STORAGE,
+    Reader,
+    crc32,
+    uint,
+    view,
 )
 from ._record import parse
 

@@ -7,8 +7,26 @@ from kvreg.errors import WireError
 
 from . import _seed, _storage
 from ._format import (
-    FLAG_CRC32, HEADER, HEADER_SIZE, KIND_VALUES, MAX_POSITION, U32, U32_MAX, U64, U64_MAX, WIRE_MAGIC,
-    WIRE_VERSION, WIRE_VERSION_STORAGE, WIRE_VERSIONS, Expect, LayerState, Reader, WireKind, crc32, uint, view,
+    FLAG_CRC32,
+    HEADER,
+    HEADER_SIZE,
+    KIND_VALUES,
+    MAX_POSITION,
+    U32,
+    U32_MAX,
+    U64,
+    U64_MAX,
+    WIRE_MAGIC,
+    WIRE_VERSION,
+    WIRE_VERSION_STORAGE,
+    WIRE_VERSIONS,
+    Expect,
+    LayerState,
+    Reader,
+    WireKind,
+    crc32,
+    uint,
+    view,
 )
 
 

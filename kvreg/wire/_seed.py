@@ -8,8 +8,21 @@ import numpy as np
 from kvreg.errors import ShapeError, WireError
 
 from ._format import (
-    BOUNDED_HEAD, FULL_HEAD, LINEAR_HEAD, U32, U32_MAX, BoundedRecord, Expect, LayerState, Reader,
-    check_rows, empty_rows, f32_array, geometry, payload, uint,
+    BOUNDED_HEAD,
+    FULL_HEAD,
+    LINEAR_HEAD,
+    U32,
+    U32_MAX,
+    BoundedRecord,
+    Expect,
+    LayerState,
+    Reader,
+    check_rows,
+    empty_rows,
+    f32_array,
+    geometry,
+    payload,
+    uint,
 )
 
 

@@ -14,9 +14,32 @@ from kvreg.errors import ShapeError, WireError
 from kvreg.modes import KvMode
 
 from ._format import (
-    DTYPE_CODES, MAX_BLOCKS, MAX_NAME, MAX_NDIM, MAX_ROW_BYTES, U8, U32, U32_MAX, V3_ENTRY, V3_HEAD, BlockRecord,
-    BlockSpec, Expect, LayerState, Reader, RowClass, StorageRecord, check_rows, dtype_code, dtype_name,
-    empty_rows, f32_array, geometry, payload, row_bytes, uint,
+    DTYPE_CODES,
+    MAX_BLOCKS,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_ROW_BYTES,
+    U8,
+    U32,
+    U32_MAX,
+    V3_ENTRY,
+    V3_HEAD,
+    BlockRecord,
+    BlockSpec,
+    Expect,
+    LayerState,
+    Reader,
+    RowClass,
+    StorageRecord,
+    check_rows,
+    dtype_code,
+    dtype_name,
+    empty_rows,
+    f32_array,
+    geometry,
+    payload,
+    row_bytes,
+    uint,
 )
 
 MODE_NAMES = tuple(m.value for m in KvMode)
@@ -71,7 +94,8 @@ def v3_chunks(st: LayerState) -> list:
         seen.add(name)
         code = dtype_code(sp.dtype)
         if code is None:
-            raise ShapeError(f"kv export: block {name!r} has dtype {np.dtype(sp.dtype)}, which the wire has no code for")
+            raise ShapeError(f"kv export: block {name!r} has dtype {np.dtype(sp.dtype)}, "
+                             "which the wire has no code for")
         shape = tuple(int(d) for d in sp.shape)
         if len(shape) > MAX_NDIM or any(not 1 <= d <= U32_MAX for d in shape):
             raise ShapeError(f"kv export: block {name!r} per-row shape {list(shape)} (at most {MAX_NDIM} dims >= 1)")

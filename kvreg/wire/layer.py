@@ -21,8 +21,18 @@ from ..lifecycle import Lifecycle
 from ..modes import KvMode
 from ..storage import Storage, make_storage
 from . import (
-    BlockRecord, BlockSpec, BoundedRecord, Expect, LayerState, RowClass, StorageRecord, StorageSchema,
-    WireKind, check_exportable, decode_layer, encode_layer,
+    BlockRecord,
+    BlockSpec,
+    BoundedRecord,
+    Expect,
+    LayerState,
+    RowClass,
+    StorageRecord,
+    StorageSchema,
+    WireKind,
+    check_exportable,
+    decode_layer,
+    encode_layer,
 )
 
 if TYPE_CHECKING:
@@ -359,7 +369,7 @@ class WireCodec:
         if rec.payload_at:
             worst = None
             for h in np.flatnonzero(alive):
-                for side, (arr, off) in enumerate(((rec.k[h], rec.payload_at[h][0]), (rec.v[h], rec.payload_at[h][1]))):
+                for arr, off in ((rec.k[h], rec.payload_at[h][0]), (rec.v[h], rec.payload_at[h][1])):
                     seg = np.abs(arr[p0:p1])
                     key = np.where(np.isfinite(seg), seg, np.inf)
                     i = int(np.argmax(key)) if key.size else 0

@@ -8,7 +8,6 @@ from kvreg.modes import Q8_EXACT_ROWS
 from research.q8_report import error_report, format_q8_table, q8_accuracy
 from research.real_attention import real_qkv
 
-
 ACCURACY = dict(rows=768, num_heads=16, num_kv_heads=4, head_dim=128, queries=16, seed=1)
 
 

@@ -268,7 +268,7 @@ class ColdRing:
         self._at = 0
 
     @classmethod
-    def of_layers(cls, make, q, *, max_copies: int = 16) -> "ColdRing":
+    def of_layers(cls, make, q, *, max_copies: int = 16) -> ColdRing:
         """A ring of ``make()`` layers, each having attended ``q`` once (JIT
         compile, device upload) so that no timing pays for it."""
         ring = cls(make, lambda lay: lay.memory_bytes(), max_copies=max_copies)
@@ -406,7 +406,7 @@ def _decode(res, backends, sz, prog):
         for rows in sz.decode_rows:
             prog.step(f"decode {be.name} {_rows_label(rows)} rows")
             ring = layers(be, rows, "f32")
-            t, bw = probed(lambda: ring.next().attend_layer(q))
+            t, bw = probed(lambda ring=ring: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             f32_seconds[(be.name, rows)] = t
             res["decode"].append(dict(backend=be.name, kv="f32", rows=rows, seconds=t, bytes=nbytes,
@@ -437,13 +437,13 @@ def _decode(res, backends, sz, prog):
         for rows in sz.q8_rows:
             prog.step(f"q8 decode {be.name} {_rows_label(rows)} rows")
             ring = layers(be, rows, "q8")
-            tq8, bw = probed(lambda: ring.next().attend_layer(q))
+            tq8, bw = probed(lambda ring=ring: ring.next().attend_layer(q))
             nbytes = ring.items[0].memory_bytes()
             del ring
             tf = f32_seconds.get((be.name, rows))
             if tf is None:
                 ring = layers(be, rows, "f32")
-                tf = timeit(lambda: ring.next().attend_layer(q))
+                tf = timeit(lambda ring=ring: ring.next().attend_layer(q))
                 del ring
             res["q8"].append(dict(backend=be.name, rows=rows, q8_seconds=tq8, f32_seconds=tf, ratio=tq8 / tf,
                                   probe_gbps=bw, q8_gbps=nbytes / tq8 / 1e9, q8_fraction=nbytes / tq8 / 1e9 / bw))
@@ -453,7 +453,7 @@ def _decode(res, backends, sz, prog):
         prog.step(f"decode {be.name} {_rows_label(rows)} rows, quiet and beside a busy process")
         ring = layers(be, rows, "f32")
         res["busy"].append(dict(backend=be.name, rows=rows, **quiet_and_busy(
-            lambda: ring.next().attend_layer(q), timeit)))
+            lambda ring=ring: ring.next().attend_layer(q), timeit)))
         del ring
     if sdpa_ok:
         prog.step(f"decode torch-sdpa {_rows_label(rows)} rows, quiet and beside a busy process")
@@ -485,7 +485,7 @@ def _prefill(res, backends, sz, peak, prog):
         prog.step(f"prefill {be.name} b={b} after {_rows_label(s0)}")
         layer = filled_layer(s0 + b, nkv, hd, backend=be)
         layer.attend_chunk(q, b, s0, nh // nkv)
-        t = time_call(lambda: layer.attend_chunk(q, b, s0, nh // nkv), min_time=0.0,
+        t = time_call(lambda layer=layer: layer.attend_chunk(q, b, s0, nh // nkv), min_time=0.0,
                       repeats=sz.repeats, max_time=sz.max_time)
         res["prefill"].append(dict(backend=be.name, s0=s0, b=b, num_heads=nh, num_kv_heads=nkv, seconds=t,
                                    gflops=flops / t / 1e9, fraction=flops / t / peak))
@@ -511,7 +511,7 @@ def _append(res, backends, sz, prog):
                 layer.append(rows[i & 255], rows[i & 255])
             it = iter(range(1 << 62))
 
-            def one():
+            def one(it=it, layer=layer):
                 r = rows[next(it) & 255]
                 layer.append(r, r)
 
@@ -532,8 +532,8 @@ def _wire(res, sz, bw, prog):
     for f16 in (False, True):
         prog.step(f"wire {'f16' if f16 else 'f32'} {_rows_label(rows)} rows")
         blob = src.export_wire(f16)
-        te = timeit(lambda: src.export_wire(f16))
-        ti = timeit(lambda: dst.import_wire(blob))
+        te = timeit(lambda f16=f16: src.export_wire(f16))
+        ti = timeit(lambda blob=blob: dst.import_wire(blob))
         res["wire"].append(dict(payload="f16" if f16 else "f32", rows=rows, blob_bytes=len(blob),
                                 export_gbps=payload / te / 1e9, import_gbps=payload / ti / 1e9,
                                 export_fraction=payload / te / 1e9 / bw, import_fraction=payload / ti / 1e9 / bw))

@@ -168,7 +168,8 @@ def candidates(geo: Geometry, budgets: list[float]) -> list[str]:
                 add(mode)
         for local in (False, True) if geo.sliding else (False,):
             add(_seal_for(geo, cap, local))
-        n = _largest(lambda x: geo.sealed("q8", 0, x - SINK - RECENT, "int4") <= cap, SINK + RECENT, geo.prefix - 1)
+        n = _largest(lambda x, cap=cap: geo.sealed("q8", 0, x - SINK - RECENT, "int4") <= cap, SINK + RECENT,
+                     geo.prefix - 1)
         add(None if n is None else f"snap:{n}@q8")
     return out
 

@@ -101,7 +101,8 @@ def register_eval(sub) -> None:
     ep.add_argument("--text", action="append", default=None, metavar="FILE",
                     help="text file (repeatable; default: CPython's textwrap.py)")
     ep.add_argument("--configs", default=None,
-                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, snap:N, o1:M:W:SINK[:HEAVY][+far2][+obsN], "
+                    help="comma-separated: KV modes, born:N, sinkwin:N, recent:N, snap:N, "
+                         "o1:M:W:SINK[:HEAVY][+far2][+obsN], "
                          f"nystrom:M:W:SINK, X@MODE, dynamic, static (default: {DEFAULT_CONFIGS}; none with --budget)")
     ep.add_argument("--budget", default=None, metavar="FRACTIONS",
                     help="comma-separated fractions of the f32 cache's peak bytes (e.g. 0.06,0.125,0.25): score "

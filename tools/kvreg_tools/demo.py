@@ -88,7 +88,7 @@ class TinyGPT:
         # which would make the hand-off proof blind to the cache.
         self.head = w(d, cfg.vocab) * np.float32(4.0)
 
-    def forward(self, tokens, positions, session: "Session", *, prefill: bool) -> np.ndarray:
+    def forward(self, tokens, positions, session: Session, *, prefill: bool) -> np.ndarray:
         """Run ``tokens`` (at absolute ``positions``) through every layer,
         storing their K/V in ``session.cache``; returns the last row's logits."""
         cfg = self.cfg
@@ -272,12 +272,14 @@ def run_demo(cfg: DemoConfig, *, tokens=32, prompt=256, chunk=64, kv=None, budge
     t1 = time.perf_counter()
     toks = decode(model, sess, first, prompt, tokens)
     t2 = time.perf_counter()
-    res = dict(tokens=toks, prefill_tok_s=prompt / (t1 - t0), decode_tok_s=(tokens - 1) / (t2 - t1) if tokens > 1 else 0.0,
+    res = dict(tokens=toks, prefill_tok_s=prompt / (t1 - t0),
+               decode_tok_s=(tokens - 1) / (t2 - t1) if tokens > 1 else 0.0,
                total_memory_bytes=sess.cache.total_memory_bytes(), reserved_bytes=sess.cache.reserved_bytes(),
                seq_len=sess.cache.seq_len, evictions=sess.evictions,
                sealed=bool(o1 and sess.cache[0].o1_sealed()))
     out(f"prefill: {prompt} tokens in chunks of {chunk}: {res['prefill_tok_s']:.1f} tok/s")
-    out(f"decode: {tokens} tokens: {res['decode_tok_s']:.1f} tok/s  (first: {toks[:12]}{' ...' if tokens > 12 else ''})")
+    out(f"decode: {tokens} tokens: {res['decode_tok_s']:.1f} tok/s  "
+        f"(first: {toks[:12]}{' ...' if tokens > 12 else ''})")
     out(f"KV memory: {res['total_memory_bytes'] / 2**20:.2f} MiB stored (total_memory_bytes), "
         f"{res['reserved_bytes'] / 2**20:.2f} MiB reserved; depth {res['seq_len']}"
         + (f", {sess.evictions} evictions" if budget else "") + (", sealed" if res["sealed"] else ""))

@@ -31,6 +31,7 @@ def main(args) -> int:
 
     from kvreg import models
     from kvreg.integrations.transformers import KvregCache
+
     from .evaluation import cache_bytes, cache_keyword
     from .report import Load
 

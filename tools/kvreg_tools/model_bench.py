@@ -144,8 +144,9 @@ _STORE_METHODS = ("append", "extend", "evict", "evict_born", "truncate_last")
 def _instrumented(clock: _Clock, cache):
     """Wrap ``cache.update``, the registered ``sdpa``/``kvreg`` attention
     functions and ``LayerKvCache``'s store calls for the duration."""
-    from kvreg.layer import LayerKvCache
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvreg.layer import LayerKvCache
 
     ns = time.perf_counter_ns
     orig_update = cache.update
@@ -419,7 +420,9 @@ def _ratio_table(rat: dict) -> list[str]:
     lines = ["| kvreg config | cache+attn / dynamic | cache+attn / static | step / dynamic | step / static "
              "| prefill attn / SDPA |", "|---|---:|---:|---:|---:|---:|"]
     for name, r in rat.items():
-        f = lambda k: f"{r[k]:.2f}x" if k in r else "-"   # noqa: E731
+        def f(k, r=r):
+            return f"{r[k]:.2f}x" if k in r else "-"
+
         lines.append(f"| {name} | {f('cache_attention_vs_dynamic')} | {f('cache_attention_vs_static')} "
                      f"| {f('step_vs_dynamic')} | {f('step_vs_static')} | {f('prefill_attention_vs_sdpa')} |")
     return lines

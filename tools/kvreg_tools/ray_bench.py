@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     for mode, n, b, e, pn, gn, rn, rb, im, h in rows:
         mib = b / 2**20
 
-        def f(s):
+        def f(s, mib=mib):
             return f"{s * 1e3:.1f} ({s * 1e3 / mib:.2f})"
 
         print(f"| {mode} | {n} | {mib:.2f} | {f(e)} | {f(pn)} | {f(gn)} | {f(rn)} | {f(rb)} | {f(im)} | {f(h)} |")

@@ -257,7 +257,8 @@ def _budget_rows(runs: list[tuple[str, dict]]) -> list[str]:
         keeps = [(p["system"], r) for p in peers for r in p["results"]
                  if (m := _KEEP.search(r["config"])) and float(m.group(1)) <= b["fraction"]]
         pick = "none fits" if b["config"] is None else f"{b['config']} ({_mib(b['peak_bytes'])})"
-        out.append(f"| {100 * b['fraction']:g}% | {pick} | {_num(b.get('kl_mean'), '.2e')} | {_best(fits)} | {_best(keeps)} |")
+        kl = _num(b.get("kl_mean"), ".2e")
+        out.append(f"| {100 * b['fraction']:g}% | {pick} | {kl} | {_best(fits)} | {_best(keeps)} |")
     return out + [""]
 
 

@@ -11,7 +11,6 @@ pytest.importorskip("transformers")
 from kvreg.errors import ConfigError  # noqa: E402
 from kvreg_tools.budget import Geometry, candidates, estimate_peak, parse_budgets, pick  # noqa: E402
 from kvreg_tools.evaluation import evaluate, parse_configs  # noqa: E402
-
 from tests.test_transformers_families import tiny_model  # noqa: E402
 
 
@@ -52,7 +51,8 @@ def test_proposals_fit_their_budget_as_measured(family):
 
 
 def test_pick_takes_the_least_kl_under_each_budget_and_says_when_nothing_fits():
-    rows = [{"config": "a", "kind": "kvreg", "kl_mean": 0.1, "top1": 0.9, "ppl": 2.0, "peak_bytes": 50, "avg_bytes": 40},
+    rows = [{"config": "a", "kind": "kvreg", "kl_mean": 0.1, "top1": 0.9, "ppl": 2.0, "peak_bytes": 50,
+             "avg_bytes": 40},
             {"config": "b", "kind": "kvreg", "kl_mean": 0.01, "top1": 0.99, "ppl": 1.9, "peak_bytes": 200,
              "avg_bytes": 150},
             {"config": "dynamic", "kind": "dynamic", "kl_mean": 0.0, "top1": 1.0, "ppl": 1.8, "peak_bytes": 10,

@@ -5,8 +5,8 @@ import argparse
 
 import pytest
 
-from kvreg_tools.demo import DemoConfig, main, run_demo
 from kvreg.errors import ConfigError
+from kvreg_tools.demo import DemoConfig, main, run_demo
 
 TINY = DemoConfig(layers=2, num_heads=4, num_kv_heads=2, head_dim=16, d_model=64, d_ff=128, vocab=64,
                   o1_m=4, o1_w=8, o1_sink=2)

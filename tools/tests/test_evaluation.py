@@ -21,7 +21,8 @@ def test_modes_policies_seal_and_peers_parse():
     assert [c.label for c in parse_configs("f32, q8v ,dynamic")] == ["f32", "q8v", "dynamic"]
 
 
-@pytest.mark.parametrize("bad", ["born", "born:0", "born:x", "o1:64:128", "o1:1:2:3:4:5", "nystrom:4", "q3", "q8@q8", "lru:5", ""])
+@pytest.mark.parametrize("bad", ["born", "born:0", "born:x", "o1:64:128", "o1:1:2:3:4:5", "nystrom:4", "q3", "q8@q8",
+                                 "lru:5", ""])
 def test_bad_configs_are_refused_with_the_grammar(bad):
     with pytest.raises(ConfigError):
         parse_configs(bad)

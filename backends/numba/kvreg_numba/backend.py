@@ -24,11 +24,10 @@ import weakref
 import numpy as np
 
 from kvreg.errors import BackendError
-from kvreg.modes import Q8_ABS_MAX
-from kvreg.modes import KV_K_GROUP, KvMode
+from kvreg.modes import KV_K_GROUP, Q8_ABS_MAX, KvMode
 from kvreg.plugin import check_batch
-from kvreg.registry import cpu_device
 from kvreg.reference import ReferenceBackend
+from kvreg.registry import cpu_device
 
 from .args import KV_COUNT_AT, frozen_counts, kv_args, kv_elem_bytes  # NumPy only: no numba at import
 
@@ -237,6 +236,7 @@ class NumbaBackend(ReferenceBackend):
 
     def describe(self) -> str:
         import numba
+
         from kvreg.threads import get_num_threads
 
         n = min(get_num_threads(), numba.config.NUMBA_NUM_THREADS)

@@ -114,8 +114,8 @@ def _scores(typingctx, P, i, kp, jb, S, c0):
             krow = builder.gep(kblock, [builder.mul(d, ir.Constant(intp, KEYS))])
             _outer_fma(builder, accs, prow, d, _load_vecs(builder, krow, nvec))
         for r in range(ROWS):
-            _store_vecs(builder, accs[r],
-                        builder.gep(sa.data, [builder.add(builder.mul(builder.add(i_, ir.Constant(intp, r)), lds), c0_)]))
+            row = builder.mul(builder.add(i_, ir.Constant(intp, r)), lds)
+            _store_vecs(builder, accs[r], builder.gep(sa.data, [builder.add(row, c0_)]))
         return context.get_dummy_value()
 
     return types.void(P, i, kp, jb, S, c0), codegen
@@ -146,7 +146,8 @@ def _values_kernel(nvec):
                 for c in range(nvec):
                     old = builder.load(_vec(builder, orow[r], ir.Constant(intp, LANES * c)), align=4)
                     accs[r].append(cgutils.alloca_once_value(builder, builder.select(first, zero, old)))
-            srow = [builder.gep(sa.data, [builder.mul(builder.add(i_, ir.Constant(intp, r)), lds)]) for r in range(ROWS)]
+            srow = [builder.gep(sa.data, [builder.mul(builder.add(i_, ir.Constant(intp, r)), lds)])
+                    for r in range(ROWS)]
             with cgutils.for_range_slice(builder, j0_, j1_, ir.Constant(intp, 1)) as (j, _):
                 vrow = builder.gep(va.data, [builder.add(builder.mul(builder.add(v0_, j), hd), c0_)])
                 _outer_fma(builder, accs, srow, j, _load_vecs(builder, vrow, nvec))

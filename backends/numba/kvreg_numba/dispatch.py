@@ -141,8 +141,8 @@ def attend_layer(q, lens, *, k=None, kq=None, ks=None, kcol=None, kcol_set=None,
     ``first = max(0, n - window)``. Returns ``out [nh, hd]``.
     """
     kv = kv_args(k, kq, ks, kcol, kcol_set, v, vq, vs, vcol, vcol_set, xk, xv, xlen, thk, thv, b8)
-    return attend_kv(q, frozen_counts(lens), kv, kv_elem_bytes(kv), scale=scale, window=window, softcap=softcap, sinks=sinks,
-                     imp=imp, upto=upto, block=block, out=out)
+    return attend_kv(q, frozen_counts(lens), kv, kv_elem_bytes(kv), scale=scale, window=window, softcap=softcap,
+                     sinks=sinks, imp=imp, upto=upto, block=block, out=out)
 
 
 def attend_kv(q, lens: np.ndarray, kv: tuple, elem: int, *, scale: float, window: int = 0, softcap: float = 0.0,

@@ -304,12 +304,16 @@ def ir_tree_sums(builder, accs):
         lo = [p * width + j for p in range(per) for j in range(half)]
         hi = [p * width + half + j for p in range(per) for j in range(half)]
         if len(vs) > 1:  # two vectors' low halves against their high halves
-            mask = lambda idx: ir.Constant(ir.VectorType(i32, LANES), idx + [LANES + x for x in idx])
+            def mask(idx):
+                return ir.Constant(ir.VectorType(i32, LANES), idx + [LANES + x for x in idx])
+
             vs = [builder.fadd(builder.shuffle_vector(a, b, mask(lo)), builder.shuffle_vector(a, b, mask(hi)))
                   for a, b in zip(vs[0::2], vs[1::2])]
             per *= 2
         else:
-            mask = lambda idx: ir.Constant(ir.VectorType(i32, len(idx)), idx)
+            def mask(idx):
+                return ir.Constant(ir.VectorType(i32, len(idx)), idx)
+
             vs = [builder.fadd(builder.shuffle_vector(v, v, mask(lo)), builder.shuffle_vector(v, v, mask(hi)))
                   for v in vs]
         width = half

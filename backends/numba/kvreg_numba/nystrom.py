@@ -9,13 +9,13 @@ are :func:`fexp64`, a vectorizable float64 exp.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from llvmlite import ir
 from numba import njit
 from numba.core import types
 from numba.extending import intrinsic
-
-from dataclasses import replace
 
 from kvreg.nystrom import absorb_pooled
 

@@ -108,7 +108,10 @@ def _ir_wsum(builder, E, col, vb, nr, acc, vsc, vrow0, vkind):
     f32 = ir.FloatType()
     vt = ir.VectorType(f32, LANES)
     intp = nr.type
-    c = lambda x: ir.Constant(intp, x)
+
+    def c(x):
+        return ir.Constant(intp, x)
+
     nh = builder.extract_value(E.shape, 0)
     hd = builder.extract_value(vb.shape, 1)
     nwin = builder.sdiv(hd, c(LANES * WSUM_WINDOW))
@@ -262,7 +265,10 @@ def _ir_qk_unrolled(builder, qa, Ea, col, kba, nr, scale, nheads, nch, kkind, ks
     :data:`QK_WIDE` chunks line by line, :data:`HINT_ROWS` rows ahead)."""
     f32 = ir.FloatType()
     vt = ir.VectorType(f32, LANES)
-    c = lambda x: ir.Constant(nr.type, x)
+
+    def c(x):
+        return ir.Constant(nr.type, x)
+
     wide = nch == QK_WIDE   # line hints HINT_ROWS rows ahead, not a burst per row
     ahead = builder.mul(builder.extract_value(kba.strides, 0), c(HINT_ROWS)) if wide else None
     # q's chunks loaded once per QK_SUB rows (kept in registers or spilled
@@ -340,7 +346,10 @@ def qk(typingctx, q, E, col, kb, nr, scale):
         kkind = sig.args[3].dtype
         f32 = ir.FloatType()
         vt = ir.VectorType(f32, LANES)
-        c = lambda x: ir.Constant(nr_.type, x)
+
+        def c(x):
+            return ir.Constant(nr_.type, x)
+
         hd = builder.extract_value(kba.shape, 1)
         nch = builder.sdiv(hd, c(LANES))
 
@@ -406,14 +415,18 @@ def qk8(typingctx, q, E, col, kq, ks, nr, scale):
         qa, Ea, kqa, ksa = ir_arrays(context, builder, [sig.args[i] for i in (0, 1, 3, 4)],
                                    [args[i] for i in (0, 1, 3, 4)])
         col_, nr_ = (context.cast(builder, args[i], sig.args[i], types.intp) for i in (2, 5))
-        c = lambda x: ir.Constant(nr_.type, x)
+
+        def c(x):
+            return ir.Constant(nr_.type, x)
+
         nch = builder.sdiv(builder.extract_value(kqa.shape, 1), c(LANES))
         nh = builder.extract_value(qa.shape, 0)
         for k in QK_CHUNKS:
             with builder.if_then(builder.icmp_signed("==", nch, c(k))):
                 _per_head_count(builder, nh, lambda n, k=k: _ir_qk_unrolled(builder, qa, Ea, col_, kqa, nr_, args[6],
                                                                            n, k, types.int8, ksa))
-        with builder.if_then(builder.and_(builder.icmp_signed("==", nch, c(QK_WIDE)), builder.icmp_signed("==", nh, c(4)))):
+        wide4 = builder.and_(builder.icmp_signed("==", nch, c(QK_WIDE)), builder.icmp_signed("==", nh, c(4)))
+        with builder.if_then(wide4):
             _ir_qk_unrolled(builder, qa, Ea, col_, kqa, nr_, args[6], 4, QK_WIDE, types.int8, ksa)
         return context.get_dummy_value()
 

@@ -7,8 +7,8 @@ import pytest
 from kvreg.bounded import BoundedRope, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
 from kvreg_conformance.oracle import bounded_attend_oracle
-from kvreg_numba.backend import NumbaBackend
 from kvreg_conformance.tolerances import tolerance
+from kvreg_numba.backend import NumbaBackend
 
 RTOL, ATOL, _ = tolerance("bounded_attend")
 
@@ -23,7 +23,10 @@ def attend(be, q, rk, rv, seen, sk, sv, gws, rope, scale, nh):
 
 def ring(kvh, window, hd, sink, seed=0, hpk=3):
     rng = np.random.default_rng(seed)
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+
+    def f(*s):
+        return rng.standard_normal(s).astype(np.float32)
+
     return f(kvh, window, hd), f(kvh, window, hd), f(kvh, sink, hd), f(kvh, sink, hd), f(kvh * hpk, hd)
 
 

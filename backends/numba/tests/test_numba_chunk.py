@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import kvreg
-
 from kvreg_conformance.oracle import attend_rows_oracle
 from kvreg_numba import chunk
 
@@ -117,9 +116,11 @@ def test_tiled_bits_follow_neither_threads_tiles_chunking_nor_importance(monkeyp
     np.testing.assert_array_equal(run(0, n), whole)
     kvreg.set_num_threads(2)
     try:
-        np.testing.assert_array_equal(chunk.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+        got = chunk.attend_chunk(q, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window)
+        np.testing.assert_array_equal(got, whole)
         qt = np.ascontiguousarray(q.transpose(1, 0, 2)).transpose(1, 0, 2)   # a model's [n, nh, hd] view, read in place
-        np.testing.assert_array_equal(chunk.attend_chunk(qt, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window), whole)
+        got = chunk.attend_chunk(qt, k, v, s0=0, b=n, hpk=hpk, scale=0.125, window=window)
+        np.testing.assert_array_equal(got, whole)
     finally:
         kvreg.set_num_threads(None)
 

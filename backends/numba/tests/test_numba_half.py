@@ -140,7 +140,7 @@ def test_the_kernel_receives_the_stored_2_byte_block_itself(monkeypatch, mode):
     half.backend.attend_group(q[:2], st.view(), 1, scale=0.1)
     want = {"f16": np.int16, "bf16": np.uint16}[mode]
     assert len(seen) == 2
-    for nbytes, args in seen:
+    for _nbytes, args in seen:
         kf, vf = args[5], args[10]  # attend_groups(q, hpk, gids, firsts, ns, kf, kq, ks, kcol, kcol_set, vf, ...)
         assert kf.dtype == want and vf.dtype == want
         # the storage's own memory: no float32 copy, no 2-byte copy either

@@ -31,6 +31,7 @@ import os
 import weakref
 
 import numpy as np
+
 from kvreg.bounded import check_bounded_attend_args
 from kvreg.errors import BackendError, ShapeError
 from kvreg.modes import KvMode
@@ -95,7 +96,7 @@ class OpenCLBackend(ReferenceBackend):
         _pocl_threads()
         self._dev = _device.get_device(device)
         super().__init__(self._dev.info.selector)
-        self._mirrors: "weakref.WeakKeyDictionary[object, DeviceMirror]" = weakref.WeakKeyDictionary()
+        self._mirrors: weakref.WeakKeyDictionary[object, DeviceMirror] = weakref.WeakKeyDictionary()
         try:
             import pyopencl  # noqa: F401  (already imported by get_device)
 

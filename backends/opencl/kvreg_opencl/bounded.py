@@ -24,6 +24,7 @@ import threading
 import weakref
 
 import numpy as np
+
 from kvreg.bounded import BoundedRope
 
 from . import config, programs
@@ -159,7 +160,7 @@ class RingMirrors:
 
     def __init__(self, dev: DeviceState):
         self.dev = dev
-        self._by_owner: "weakref.WeakKeyDictionary[object, RingMirror]" = weakref.WeakKeyDictionary()
+        self._by_owner: weakref.WeakKeyDictionary[object, RingMirror] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def get(self, owner) -> RingMirror:

@@ -58,7 +58,8 @@ def _cl():
     try:
         import pyopencl as cl
     except Exception as exc:  # ImportError, or a broken ICD loader
-        raise BackendError(f"kvreg-opencl: cannot import pyopencl ({exc}); pip install pyopencl, then {INSTALL_HINT}") from exc
+        raise BackendError(f"kvreg-opencl: cannot import pyopencl ({exc}); "
+                           f"pip install pyopencl, then {INSTALL_HINT}") from exc
     return cl
 
 

@@ -11,6 +11,7 @@ what this costs and where it pays.
 from __future__ import annotations
 
 import numpy as np
+
 from kvreg.nystrom import FarField
 
 from . import programs

@@ -9,7 +9,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 @pytest.fixture(scope="session")
 def dev():
     from kvreg.errors import BackendError
-
     from kvreg_opencl import device
 
     try:

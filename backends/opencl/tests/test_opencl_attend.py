@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvreg_opencl import kernels
 from ocl_helpers import check_close, mirrored, oracle_group
 from ocl_helpers import filled_storage as filled
+
+from kvreg_opencl import kernels
 
 
 @pytest.mark.parametrize("mode", ["f32", "q8_2f"])

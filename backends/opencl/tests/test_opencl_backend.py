@@ -4,9 +4,8 @@ from __future__ import annotations
 
 
 def test_plugin_registers_opencl(dev):
-    from kvreg import registry
-
     import kvreg_opencl.plugin
+    from kvreg import registry
 
     registry.register_plugin(kvreg_opencl.plugin)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvreg.bounded import BoundedRope, BoundedState, BoundedWeights, bounded_attend, ring_view
 from kvreg.errors import ConfigError, StateError
 from kvreg_conformance.oracle import bounded_attend_oracle as _oracle

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvreg_opencl import kernels
 from ocl_helpers import Q8_MODES, check_close, filled_storage, mirrored, oracle_group, scramble_int8_copies
+
+from kvreg_opencl import kernels
 
 
 def filled(nkv, hd, rows, mode, *, exact=4, seed=0):
@@ -140,9 +141,8 @@ def test_mirror_uploads_exact_rows_only_when_they_change(dev, small_blocks):
 @pytest.fixture(scope="module")
 def backends(dev):
     pytest.importorskip("kvreg.layer")
-    from kvreg_opencl.backend import OpenCLBackend
-
     from kvreg.reference import ReferenceBackend
+    from kvreg_opencl.backend import OpenCLBackend
 
     return OpenCLBackend(), ReferenceBackend()
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from kvreg.nystrom import NystromState, nystrom_step
 from kvreg_conformance.oracle import nystrom_oracle
 from kvreg_conformance.tolerances import tolerance
@@ -115,7 +116,6 @@ def test_the_backend_runs_it_only_with_fp64(dev, monkeypatch):
 def test_a_sealed_layer_decodes_on_the_device_like_the_reference(fp64_dev):
     from kvreg import KvMode, LayerKvCache
     from kvreg.reference import ReferenceBackend
-
     from kvreg_opencl.backend import OpenCLBackend
 
     nkv, hd, hpk, t0 = 2, 16, 2, 50

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from ocl_helpers import quantize_ref
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 from hypothesis.extra import numpy as hnp
+from ocl_helpers import quantize_ref
 
 from kvreg_opencl import kernels
 
