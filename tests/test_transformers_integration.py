@@ -17,7 +17,7 @@ from transformers import DynamicCache  # noqa: E402
 import kvreg  # noqa: E402
 from kvreg import EvictionPolicy  # noqa: E402
 from kvreg.errors import ConfigError  # noqa: E402
-from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache  # noqa: E402
+from kvreg.integrations.transformers import KvregCache, sliding_slack  # noqa: E402
 from kvreg_conformance import startable_backends  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -116,7 +116,7 @@ def test_past_key_values_keyword_works_too(lm):
 def test_teacher_forced_logprobs_match_dynamic_cache_past_the_sliding_window(lm):
     """Long enough that Gemma's sliding layers trim (window 512 + slack): the
     log-probabilities stay those of DynamicCache, and the sliding layers hold
-    no more than window - 1 + SLIDING_SLACK rows."""
+    no more than window - 1 + sliding_slack(window) rows."""
     name, model, tok = lm
     text = open(__file__).read() * 3
     ids = tok(text, return_tensors="pt").input_ids[:, :610]
@@ -132,7 +132,7 @@ def test_teacher_forced_logprobs_match_dynamic_cache_past_the_sliding_window(lm)
         if w is None:
             assert layer.seq_len == ids.shape[1] - 1
         else:
-            assert layer.seq_len <= w - 1 + SLIDING_SLACK
+            assert layer.seq_len <= w - 1 + sliding_slack(w)
     if name == "gemma3-270m":
         assert any(w is not None and layer.seq_len < ids.shape[1] - 1 for w, layer in zip(cache.windows, layers))
 

@@ -56,10 +56,10 @@ How it fits transformers (5.x):
   or the seal drop: RoPE positions stay absolute.
 - Sliding layers (Gemma 3): attended with kvreg's ``window`` and trimmed to
   the newest ``window - 1`` rows (what ``DynamicCache``'s sliding layers keep
-  between steps) whenever they exceed that by :data:`SLIDING_SLACK` rows: a
-  sliding layer holds at most ``window - 1 + SLIDING_SLACK`` rows between
-  steps, and the trim (a copy of the rows kept) runs once every
-  ``SLIDING_SLACK`` tokens. Global layers keep everything unless a budget is set.
+  between steps) whenever they exceed that by :func:`sliding_slack` rows
+  (``window // 32``): a sliding layer holds at most about 3% more rows than
+  ``DynamicCache``'s, and the trim (a copy of the rows kept) costs about 32
+  rows per token whatever the window. Global layers keep everything unless a budget is set.
 - Eviction at a budget (``budget=N``): after each step a global layer holding
   more than ``N`` rows keeps ``N``: ``EvictionPolicy.Born(sink)`` keeps the
   ``sink`` first rows, the ``N // 2`` newest and the rest by accumulated
@@ -121,7 +121,7 @@ except ImportError as exc:   # pragma: no cover - exercised only without the ext
     raise ConfigError(f"kvreg.integrations.transformers needs torch and transformers ({exc}); "
                       "pip install 'kvreg[hf]'") from exc
 
-__all__ = ["ATTN_IMPLEMENTATION", "KvregCache", "SLIDING_SLACK", "SUPPORTED", "kvreg_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "KvregCache", "SUPPORTED", "kvreg_attention_forward", "sliding_slack"]
 
 #: The storage a model of each dtype gets when no mode is asked for.
 _DTYPE_MODES = {"torch.float16": KvMode.F16, "torch.bfloat16": KvMode.BF16}
@@ -146,8 +146,12 @@ SUPPORTED = {
     "phimoe": "Phi-3.5-MoE: a sliding window its masks apply",
 }
 
-#: Rows a sliding layer may hold beyond ``window - 1`` before it is trimmed.
-SLIDING_SLACK = 64
+def sliding_slack(window: int) -> int:
+    """Rows a sliding layer may hold beyond ``window - 1`` before it is
+    trimmed back: a fixed fraction of the window, so the memory over
+    ``DynamicCache``'s stays about 3% and the trim's copy of ``window - 1``
+    rows, made once per ``window // 32`` tokens, costs about 32 rows per token."""
+    return max(1, window // 32)
 
 
 def kvreg_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -741,7 +745,7 @@ class KvregCache(R.RoutedCache):
     def _bound(self, layer, window: int | None) -> None:
         rows = layer.seq_len
         if window is not None:
-            if rows > window - 1 + SLIDING_SLACK:
+            if rows > window - 1 + sliding_slack(window):
                 layer.evict(window - 1)
         elif self.budget is not None and rows > self.budget:
             keep = self.budget

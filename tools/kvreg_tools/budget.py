@@ -60,24 +60,25 @@ class Geometry:
     ``prefix``, the rows of the prompt (a seal is made at its end)."""
 
     def __init__(self, model, tokens: int, prefix: int):
-        from kvreg.integrations.transformers import SLIDING_SLACK, KvregCache
+        from kvreg.integrations.transformers import KvregCache
 
         cache = KvregCache(model, mode="f32", backend="reference")
         self.tokens, self.prefix = int(tokens), int(prefix)
         self.layers = [(nkv, hd, w) for (nkv, hd), w in zip(cache.geometry, cache.windows)]
         #: the global layers' head_dim (the far tier's row size)
         self.head_dim = max((hd for _, hd, w in self.layers if w is None), default=self.layers[0][1])
-        self._slack = SLIDING_SLACK
         self._memo: dict = {}
 
     def _sliding_rows(self, w: int) -> list[int]:
         """A sliding layer's rows after the prefill and after each decode
         step: trimmed to ``w - 1`` whenever it holds more than ``w - 1 +
-        SLIDING_SLACK`` (the drop-in's rule)."""
+        sliding_slack(w)`` (the drop-in's rule)."""
+        from kvreg.integrations.transformers import sliding_slack
+
         rows, held = [], self.prefix
         for step in range(self.tokens - self.prefix + 1):
             held += step > 0
-            if held > w - 1 + self._slack:
+            if held > w - 1 + sliding_slack(w):
                 held = w - 1
             rows.append(held)
         return rows
