@@ -77,16 +77,17 @@ def chunk_rows(st: Storage, backend, fresh: Fresh | None, lo: int, n: int) -> St
     """A float32 storage of the rows ``[lo, n)`` a chunk kernel reads, the
     newest as ``fresh`` holds them (when it is this storage's state) and the
     older ones widened."""
-    current = fresh is not None and (fresh.version, fresh.rows) == (st.version, n)
-    a = max(lo, n - fresh.k.shape[1]) if current else n
-    off = a - (n - fresh.k.shape[1]) if current else 0   # row a in the fresh block
-    if current and a == lo:
+    if fresh is None or (fresh.version, fresh.rows) != (st.version, n):
+        k, v = widened_rows(st, backend, lo, n, n)
+        return DenseStorage.of_rows(k, v)
+    a = max(lo, n - fresh.k.shape[1])
+    off = a - (n - fresh.k.shape[1])   # row a in the fresh block
+    if a == lo:
         k, v = np.ascontiguousarray(fresh.k[:, off:]), np.ascontiguousarray(fresh.v[:, off:])
     else:
         k, v = widened_rows(st, backend, lo, n, a)
-        if current:
-            k[:, a - lo:] = fresh.k[:, off:]
-            v[:, a - lo:] = fresh.v[:, off:]
+        k[:, a - lo:] = fresh.k[:, off:]
+        v[:, a - lo:] = fresh.v[:, off:]
     return DenseStorage.of_rows(k, v)
 
 

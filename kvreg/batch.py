@@ -60,10 +60,10 @@ def attend_batch(q, layers, *, scale: float | None = None, window: int | None = 
                                  f"{first.mode.value} (one geometry and KV mode per batch)")
         args = [layer._decode_args(nh, scale, window, softcap, sinks, importance) for layer in layers]
         sealed = [layer.lifecycle is Lifecycle.SEALED for layer in layers]
-        for i in np.flatnonzero(sealed):
-            seal = layers[i].seal
+        for b in np.flatnonzero(sealed):
+            seal = layers[b].seal
             if not (seal.auto and seal.staged is not None):
-                seal.auto_attend(qb[i])  # raises its refusal before anything changed
+                seal.auto_attend(qb[b])  # raises its refusal before anything changed
         open_ = [i for i, s in enumerate(sealed) if not s]
         with_sinks = [args[i]["sinks"] is not None for i in open_]
         if any(with_sinks) and not all(with_sinks):
@@ -87,8 +87,8 @@ def attend_batch(q, layers, *, scale: float | None = None, window: int | None = 
             out[open_] = res
             for i in open_:
                 layers[i].seal.record(qb[i])
-        for i in np.flatnonzero(sealed):
-            out[i] = layers[i].seal.auto_attend(qb[i])
+        for b in np.flatnonzero(sealed):
+            out[b] = layers[b].seal.auto_attend(qb[b])
         return out
 
 

@@ -187,15 +187,15 @@ def offset_table(theta: float, inv: np.ndarray, n: int) -> tuple[np.ndarray, np.
     window). A grown table replaces the old one whole, so readers on other
     threads keep the one they hold; backends share this cache."""
     key = (theta, inv.shape[0])
-    c, s = _OFFSET_TABLES.get(key, (None, None))
-    if c is None or c.shape[0] < n:
+    table = _OFFSET_TABLES.get(key)
+    if table is None or table[0].shape[0] < n:
         with _OFFSET_LOCK:
-            c, s = _OFFSET_TABLES.get(key, (None, None))
-            if c is None or c.shape[0] < n:
-                size = max(n, 2 * (0 if c is None else c.shape[0]))
+            table = _OFFSET_TABLES.get(key)
+            if table is None or table[0].shape[0] < n:
+                size = max(n, 2 * (0 if table is None else table[0].shape[0]))
                 ang = np.arange(size, dtype=np.float64)[:, None] * inv
-                c, s = np.cos(ang), np.sin(ang)
-                _OFFSET_TABLES[key] = (c, s)
+                table = _OFFSET_TABLES[key] = (np.cos(ang), np.sin(ang))
+    c, s = table
     return c[:n], s[:n]
 
 

@@ -25,6 +25,9 @@ class ConfigError(KvregError, ValueError):
 class WireError(KvregError, ValueError):
     """A wire blob that cannot be exported or imported (see docs/wire.md)."""
 
+    #: The byte of the blob the refusal names (set where one is known).
+    offset: int | None
+
 
 class SealError(KvregError, ValueError):
     """An O(1) Nyström seal that cannot proceed, or a layer latched by one."""

@@ -87,6 +87,9 @@ class LayerKvCache:
     :mod:`kvreg.storage.int8`); 0 gives the seed's storage exactly.
     """
 
+    #: Set by :class:`~kvreg.seal.Seal` (and :meth:`install_bounded`), read through :attr:`lifecycle`.
+    _lifecycle: Lifecycle
+
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode | str | None = None,
                  backend=None, *, layer: int = 0, q8_exact_rows: int = Q8_EXACT_ROWS):
         self._lock = threading.RLock()

@@ -116,7 +116,7 @@ def unregister_plugin(plugin: object) -> None:
 def takes_devices(cls: type[Backend]) -> bool:
     """Whether a backend class selects among devices (it overrides
     :meth:`Backend.devices`); the others run on the CPU only."""
-    return getattr(cls.devices, "__func__", None) is not Backend.devices.__func__
+    return getattr(cls.devices, "__func__", None) is not Backend.devices.__func__  # type: ignore[attr-defined]
 
 
 #: The device specs of the host's CPU, the one device of a CPU backend.

@@ -30,7 +30,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -192,6 +192,17 @@ class Seal:
     def sealed(self) -> bool:
         return self._layer._lifecycle is Lifecycle.SEALED
 
+    # The lifecycle says which phase the layer is in; these name its data
+    # for code that checked :attr:`collecting` or :attr:`sealed` first.
+
+    @property
+    def _collecting_phase(self) -> Collecting:
+        return cast(Collecting, self.phase)
+
+    @property
+    def _sealed_phase(self) -> Sealed:
+        return cast(Sealed, self.phase)
+
     def push_q(self, q_all) -> None:
         """Record one traced position's rotated queries (``num_heads*hd``).
         No-op unless collecting."""
@@ -202,14 +213,14 @@ class Seal:
             q = V.flat("q_all", q_all)
             if q.size == 0 or q.size % lay.head_dim:
                 raise ShapeError(f"q_all has {q.size} values; expected num_heads * {lay.head_dim}")
-            self.phase.q_rows.append(q.copy() if np.shares_memory(q, q_all) else q)
+            self._collecting_phase.q_rows.append(q.copy() if np.shares_memory(q, q_all) else q)
 
     def set_q_trace(self, q) -> None:
         """The whole query trace at once, ``[rows / stride][num_heads][hd]``."""
         with self._layer.lock:
             if self.collecting:
                 flat = V.flat("q", q)
-                self.phase.q_rows = [flat.copy() if np.shares_memory(flat, q) else flat]
+                self._collecting_phase.q_rows = [flat.copy() if np.shares_memory(flat, q) else flat]
 
     def set_q_stride(self, stride: int) -> None:
         """One row in ``stride`` is in the query trace."""
@@ -221,7 +232,7 @@ class Seal:
         with self._layer.lock:
             if not self.collecting:
                 return None
-            rows = self.phase.q_rows
+            rows = self._collecting_phase.q_rows
             return np.concatenate(rows) if rows else np.zeros(0, dtype=np.float32)
 
     def recollect(self, k, v, q, stride: int, rows: int) -> bool:
@@ -250,10 +261,10 @@ class Seal:
         with self._layer.lock:
             at = V.position("at", at)
             if self.collecting:
-                self.phase.seal_at = at
+                self._collecting_phase.seal_at = at
 
     def pending_boundary(self) -> int | None:
-        return self.phase.seal_at if self.collecting else None
+        return self._collecting_phase.seal_at if self.collecting else None
 
     def boundary_crossed_by(self, count: int) -> bool:
         """Whether appending ``count`` exact rows would cross the deferred
@@ -303,7 +314,7 @@ class Seal:
                 raise SealError(self.error)
             if not self.collecting:
                 return self.sealed   # idempotent; a plain layer is not a participant
-            col = self.phase
+            col = self._collecting_phase
             floor = self._floor(col)
             target = max(col.seal_at if col.seal_at is not None else floor, floor)
             t = lay.seq_len
@@ -327,14 +338,15 @@ class Seal:
                 raise SealError("o1 seal: KV heads are not densely populated")
             if (col.m < 4 and not tiered) or col.w == 0:
                 raise SealError(f"o1 seal: invalid geometry m={col.m} w={col.w}")
+            scale = cast(float, self.scale)   # begin set it with the phase
             if tiered:
                 keys, values = self._rows("tiered")
                 if col.recent_q is not None:
-                    mass = observed_mass(col.recent_q[-t:], keys, self.scale, OBSERVE_POOL)
+                    mass = observed_mass(col.recent_q[-t:], keys, scale, OBSERVE_POOL)
                 else:
                     mass = np.array(lay.storage.imp[:t], dtype=np.float32)
                 state = TieredSeal(col.m, col.w, col.sink, col.m if col.heavy is None else col.heavy,
-                                   num_kv_heads=nkv, hpk=num_heads // nkv, head_dim=hd, scale=self.scale,
+                                   num_kv_heads=nkv, hpk=num_heads // nkv, head_dim=hd, scale=scale,
                                    fmt=exact_format(lay.mode), far_format=self.far_format, window=self.window,
                                    kernels=lay.backend)
                 state.seal(np.asarray(keys, dtype=np.float32), np.asarray(values, dtype=np.float32), mass)
@@ -343,7 +355,7 @@ class Seal:
             trace = (rows[0] if len(rows) == 1 else np.concatenate(rows)).reshape(-1, num_heads, hd)
             keys, values = self._rows("Nyström", trace)
             groups = seal_groups(trace, keys, values, m=col.m, w=col.w, sink=col.sink, rect=col.rect,
-                                 heavy=col.heavy, stride=self.q_stride, scale=self.scale, kernels=lay.backend)
+                                 heavy=col.heavy, stride=self.q_stride, scale=scale, kernels=lay.backend)
             return self._sealed(Sealed(groups))
 
     def _sealed(self, phase: Sealed) -> bool:
@@ -386,7 +398,7 @@ class Seal:
         if self.num_heads not in (None, nh):
             raise ShapeError(f"attend with {nh} query heads on a layer collecting {self.num_heads}-head queries")
         self.num_heads = nh
-        col = self.phase
+        col = self._collecting_phase
         if self.far != "tiered":
             col.q_rows.append(np.array(q, dtype=np.float32).ravel())
         elif col.observe:  # the tiered seal keeps only its observation window
@@ -424,7 +436,8 @@ class Seal:
             held = self._layer.seq_len
             if not self.collecting or not held or self.num_heads is None:
                 return False
-            if held < max(self.phase.seal_at or 0, self._floor(self.phase)):
+            col = self._collecting_phase
+            if held < max(col.seal_at or 0, self._floor(col)):
                 return False  # a short prompt: exact rows until the layer holds the boundary's
             try:
                 return self.seal_checked(self.num_heads)
@@ -465,14 +478,15 @@ class Seal:
             if not (np.isfinite(q).all() and np.isfinite(k).all() and np.isfinite(v).all()):
                 raise ShapeError("o1_step: q_all, k_new and v_new must be finite")
             hpk = num_heads // nkv
-            tiered = self.phase.tiered
+            phase = self._sealed_phase
+            tiered = phase.tiered
             if tiered is not None:
                 if tiered.hpk != hpk:
                     raise ShapeError(f"o1_step with {num_heads} query heads on a layer sealed for {tiered.hpk * nkv}")
                 out = tiered.step(q, k, v)
             else:
                 out = np.empty((num_heads, hd), dtype=np.float32)
-                for g, state in enumerate(self.phase.groups):
+                for g, state in enumerate(phase.groups):
                     out[g * hpk:(g + 1) * hpk] = state.step_group(q[g * hpk:(g + 1) * hpk], k[g], v[g])
             # The honest context depth: nothing is stored per position.
             lay._count_position()
@@ -482,8 +496,9 @@ class Seal:
         """Bytes of the overlay: the query trace while collecting, the far
         field once sealed."""
         if self.collecting:
-            return self.phase.q_len() * 4
+            return self._collecting_phase.q_len() * 4
         if self.sealed:
-            tiered = self.phase.tiered
-            return tiered.memory_bytes() if tiered is not None else sum(g.memory_bytes() for g in self.phase.groups)
+            phase = self._sealed_phase
+            tiered = phase.tiered
+            return tiered.memory_bytes() if tiered is not None else sum(g.memory_bytes() for g in phase.groups)
         return 0

@@ -48,8 +48,10 @@ Every step is NumPy in a fixed order, whatever the layer's backend.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .errors import ConfigError, ShapeError
 from .modes import Q4_INT8_GROUP, Q4_K_GROUP, Q4_V_GROUP, KvMode
@@ -95,6 +97,13 @@ class Tier:
     rotated rows when ``hd`` is a power of two (``rotated``): scores take the
     rotated query, outputs rotate back."""
 
+    # The scales (and int2's zeros): an ndarray where the format has them,
+    # else None. The format says which, so they are typed Any.
+    ks: Any
+    vs: Any
+    kz: Any
+    vz: Any
+
     def __init__(self, fmt: str, nkv: int, cap: int, hd: int):
         if fmt not in FORMATS:
             raise ConfigError(f"Tier: format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -105,7 +114,7 @@ class Tier:
         if fmt in _INT:
             kg, vg, _ = _INT[fmt]
             width = {"int8": hd, "int4": (hd + 1) // 2, "int2": (hd + 3) // 4}[fmt]
-            dt = np.int8 if fmt == "int8" else np.uint8
+            dt: DTypeLike = np.int8 if fmt == "int8" else np.uint8
             self.k, self.v = np.zeros((nkv, cap, width), dt), np.zeros((nkv, cap, width), dt)
             self.ks = np.zeros((nkv, cap, num_groups(hd, kg)), np.float16)
             self.vs = np.zeros((nkv, cap, num_groups(hd, vg)), np.float16)
@@ -297,7 +306,7 @@ class TieredSeal:
         e.pos[:, n], e.mass[:, n], e.n = self.seen, 0.0, n + 1
         if self.window is not None:
             for t in (e, self.far):
-                self._expire(t)
+                self._expire(t, self.window)
         rows = [t.read() for t in (e, self.far)]
         out, mass = self.kernels.tiered_attend(q.reshape(self.nkv, self.hpk, self.hd),
                                                [(kk, vv, t.rotated) for t, (kk, vv) in zip((e, self.far), rows)],
@@ -309,12 +318,12 @@ class TieredSeal:
             self._demote(*rows[0])
         return out.reshape(self.nkv * self.hpk, self.hd)
 
-    def _expire(self, t: Tier) -> None:
-        """Drop the rows of positions the window has passed. Every group
+    def _expire(self, t: Tier, window: int) -> None:
+        """Drop the rows of positions the ``window`` has passed. Every group
         holds as many rows: a group with fewer such rows drops as many in
         all: its rows of least mass outside the newest ``w`` next."""
         pos = t.pos[:, :t.n]
-        old = pos <= self.seen - self.window
+        old = pos <= self.seen - window
         d = int(old.sum(axis=1).max()) if t.n else 0
         if not d:
             return
@@ -375,7 +384,7 @@ def tiered_attend(q: np.ndarray, tiers, *, scale: float) -> tuple[np.ndarray, li
     over each group's heads. NumPy in a fixed order."""
     qg = q * np.float32(scale)
     turn = any(rotated for _, _, rotated in tiers)
-    qr = fwht(qg) if turn else None
+    qr = fwht(qg) if turn else qg   # read by rotated tiers only
     held = [(k, v, rotated) for k, v, rotated in tiers if k.shape[1]]
     scores = [np.matmul(qr if rotated else qg, k.transpose(0, 2, 1)) for k, _, rotated in held]
     top = np.max([s.max(axis=2) for s in scores], axis=0)[:, :, None]

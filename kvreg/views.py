@@ -124,12 +124,9 @@ PLACES = {name: (group, name) for group, cls in (("dense", DenseRows), ("q8", Q8
 PLACES.update(xk=("exact", "xk"), xv=("exact", "xv"), xlen=("exact", "xlen"))
 del PLACES["size"]
 
-#: Every field of a :class:`KvView`, in order.
-KV_FIELDS = ("owner", "mode", "num_kv_heads", "head_dim", "cap", "lens", "rot_k", "rot_v", "dense", "q8", "exact",
-             "window", "tiers", "version", "reset_version", "log_start", "floors")
-
-
-class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
+class KvView(namedtuple("_KvViewFields", ("owner", "mode", "num_kv_heads", "head_dim", "cap", "lens", "rot_k",
+                                          "rot_v", "dense", "q8", "exact", "window", "tiers", "version",
+                                          "reset_version", "log_start", "floors"))):
     """One layer's rows at one ``version``, read-only (layout: docs/kernels.md).
 
     Head ``h`` holds ``lens[h]`` rows. The rows come in groups, one per kind
@@ -245,6 +242,10 @@ class KvView(namedtuple("_KvViewFields", KV_FIELDS)):
         if lo < xl:
             out[: xl - lo] = getattr(x, "x" + side)[h, lo:xl]
         return out
+
+
+#: Every field of a :class:`KvView`, in order.
+KV_FIELDS = KvView._fields
 
 
 def kivi_block_stats(stripes: np.ndarray, hd: int) -> np.ndarray:

@@ -24,8 +24,10 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -134,7 +136,7 @@ class Router:
         self.configs = configs
         self.depth = 0
         self.saved: list = []
-        self.shape = None           # the probe's answer, once asked
+        self.shape: ModelShape | None = None   # the probe's answer, once asked
 
     def pre(self, module, args, kwargs):
         if any(isinstance(x, RoutedCache) for x in kwargs.values()) or any(isinstance(x, RoutedCache) for x in args):
@@ -247,8 +249,9 @@ def kvreg_mask(*args, **kwargs):
 
     config = kwargs.get("config")
     name = "sdpa" if config is None else original_name(config)
-    fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
-    return None if fn is None else fn(*args, **kwargs)
+    fn = None if name is None else ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name)
+    # transformers' mapping holds mask functions of several signatures (its type is their join)
+    return None if fn is None else cast(Callable[..., Any], fn)(*args, **kwargs)
 
 
 def register(attention) -> None:

@@ -298,7 +298,8 @@ class PrefillWorker:
     def ready(self) -> int:
         return os.getpid()
 
-    @ray.method(num_returns=2)
+    # ray's overloads of method() spell positional parameters only, not keyword-only ones.
+    @ray.method(num_returns=2)  # type: ignore[arg-type]
     def prefill(self, prompt, *, max_new_tokens: int, eos_token_id=None, request_id=None, **cache_options):
         """``(SequenceMeta, wire array)``: two objects, so a driver can read the
         meta without fetching the blob."""
@@ -379,7 +380,7 @@ def generate(prefill, decoders, prompt, *, max_new_tokens: int, every: int = 8, 
             if not alive:
                 err = StateError(f"every decode worker died; request {meta.request_id} stopped after "
                                  f"{len(meta.tokens)} token(s) (its last state: err.meta, err.wire)")
-                err.meta, err.wire = meta, wire_ref
+                err.meta, err.wire = meta, wire_ref  # type: ignore[attr-defined]
                 raise err
             current, loaded = alive[0], False
         worker = decoders[current]

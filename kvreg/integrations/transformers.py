@@ -253,6 +253,7 @@ class KvregCache(R.RoutedCache):
     the sliding-window layers too (each within its window, no sinks). See
     the module docstring for dtypes, batches and positions.
     """
+    layers: list[KvregLayer]  # type: ignore[assignment]  # Cache's type names its own layer kinds
 
     def __init__(self, model, mode: KvMode | str | None = None, backend=None, policy=None, *,
                  budget: int | None = None, sink: int = 0, o1: tuple[int, ...] | None = None,
@@ -280,7 +281,7 @@ class KvregCache(R.RoutedCache):
         if isinstance(policy, Snap):
             if o1 is not None:
                 raise ConfigError("o1 and budget both bound the cache; pass one of them")
-            heavy = budget - policy.sink - policy.recent
+            heavy = budget - policy.sink - policy.recent  # type: ignore[operator]  # a policy comes with a budget
             if heavy < 0:
                 raise ConfigError(f"EvictionPolicy.Snap keeps sink + recent = {policy.sink + policy.recent} rows; "
                                   f"budget={budget} is smaller")
@@ -325,7 +326,7 @@ class KvregCache(R.RoutedCache):
         # One sequence now: a bad mode, backend or geometry fails here, not at
         # the first token. The first forward sizes the list to its batch.
         self._seqs: list[KvCache] = [self._new_sequence()]
-        self._mask_memo = None   # (mask, whether its new column is attended): _new_column
+        self._mask_memo: tuple[object, bool] | None = None   # (mask, whether its new column is attended): _new_column
         self._masks_checked: list = []   # (mask, window) pairs _check_mask passed, newest first
         self._steps: dict = {}   # layer index -> its decode step and output: _decode_step
         super().__init__(layers=[KvregLayer(self, i, w) for i, w in enumerate(self.windows)])
@@ -496,9 +497,9 @@ class KvregCache(R.RoutedCache):
                             f"expected the blob to end (at byte {at})")
         # Everything checked: install.
         self._seqs = seqs
-        for layer, s in zip(self.layers, seen):
-            layer.seen = int(s)
-            layer.is_initialized = True
+        for hf_layer, s in zip(self.layers, seen):
+            hf_layer.seen = int(s)
+            hf_layer.is_initialized = True
 
     def _check_states(self, layer_idx: int, key, value) -> None:
         ks = key.shape
@@ -576,9 +577,8 @@ class KvregCache(R.RoutedCache):
                 got[1](_host(key)[0, :, 0], _host(value)[0, :, 0], _host(query)[0, :, 0])
                 self._bound(layer, window)
                 return (got[0] if query.dtype == torch.float32 else got[0].to(query.dtype)), None
-            out = self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],
-                                        _host(value)[0], scale, window, softcap)[None]
-            out = torch.from_numpy(out)
+            out = torch.from_numpy(self._attend_sequence(layer, _host(query)[0].transpose(1, 0, 2), _host(key)[0],
+                                                         _host(value)[0], scale, window, softcap)[None])
             return (out if query.dtype == torch.float32 else out.to(query.dtype)), None
         self._check_mask(mask, layer_idx, window, q_len)
         with torch.no_grad():
@@ -589,10 +589,10 @@ class KvregCache(R.RoutedCache):
             v = value.detach().to(torch.float32)
             shape = (bsz, q_len, nh, hd)
             if q_len == 1 and bsz > 1:
-                out = np.zeros(shape, dtype=np.float32)
-                self._decode_batch(layer_idx, q, k, v, mask, scale, window, softcap, out)
-                return torch.from_numpy(out).to(query.dtype), None
-            out = None
+                step_out = np.zeros(shape, dtype=np.float32)
+                self._decode_batch(layer_idx, q, k, v, mask, scale, window, softcap, step_out)
+                return torch.from_numpy(step_out).to(query.dtype), None
+            buf = None
             for b in range(bsz):
                 cols = _new_columns(mask, b, q_len)
                 qb, kb, vb = (q[b], k[b], v[b]) if cols is None else (q[b, cols], k[b][:, cols], v[b][:, cols])
@@ -605,13 +605,13 @@ class KvregCache(R.RoutedCache):
                     # output, without a zeroed [n, nh, hd] buffer and a copy
                     # into it (~2 ms of a 4k SmolLM2 layer's ~95).
                     return torch.from_numpy(res[None]).to(query.dtype), None
-                if out is None:
-                    out = np.zeros(shape, dtype=np.float32)
+                if buf is None:
+                    buf = np.zeros(shape, dtype=np.float32)
                 if cols is None:
-                    out[b] = res
+                    buf[b] = res
                 else:
-                    out[b, cols.numpy()] = res
-            return torch.from_numpy(np.zeros(shape, dtype=np.float32) if out is None else out).to(query.dtype), None
+                    buf[b, cols.numpy()] = res
+            return torch.from_numpy(np.zeros(shape, dtype=np.float32) if buf is None else buf).to(query.dtype), None
 
     def _check_mask(self, mask, layer_idx: int, window: int | None, q_len: int) -> None:
         """Refuse a mask that asks for other columns than kvreg attends,

@@ -316,7 +316,7 @@ def absorb_pooled(far: FarField, v_row: np.ndarray) -> dict:
     :func:`dataclasses.replace`. O(hd), shared by every backend's
     ``nystrom_absorb`` (whose probe half subtracts the row's pooled stand-in
     from the residuals)."""
-    if not far.pooled:
+    if far.count is None or far.vsum is None or far.vlo is None or far.vhi is None:   # no prior (all or none)
         return {}
     v64 = v_row.astype(np.float64)
     count, vsum = far.count.copy(), far.vsum.copy()

@@ -4,6 +4,7 @@ seal of a layer's groups (:func:`seal_groups`)."""
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import numpy as np
 
@@ -99,11 +100,17 @@ class NystromState:
         """Landmarks actually built: ``min(m, far rows at the seal)``."""
         return 0 if self.far is None else self.far.k_tilde.shape[0]
 
+    def _exact(self) -> tuple[np.ndarray, np.ndarray]:
+        """``exact_k``, ``exact_v`` of a prefilled state (callers check
+        :attr:`prefilled`, or run after the seal only)."""
+        return cast(np.ndarray, self.exact_k), cast(np.ndarray, self.exact_v)
+
     def memory_bytes(self) -> int:
         if not self.prefilled:
             return 0
         far = self.far.nbytes() if self.far is not None else 0
-        return self.exact_k.nbytes + self.exact_v.nbytes + far
+        ek, ev = self._exact()
+        return ek.nbytes + ev.nbytes + far
 
     # -- prefill
 
@@ -120,6 +127,7 @@ class NystromState:
             raise ShapeError(f"prefill_group: expected k, v [t >= 1, hd] of one shape, "
                              f"got k {k.shape}, v {v.shape}")
         t, hd = k.shape
+        q: np.ndarray | None
         if isinstance(qs, np.ndarray):
             q = qs
         else:
@@ -225,28 +233,29 @@ class NystromState:
         """Sinks, heavy and window rows ``(k, v)`` as contiguous views (no
         copy): the window occupies ring slots in some rotation, which attention
         does not see."""
+        ek, ev = self._exact()
         n = self._ring + self.win_len if self.n_sink == self.sink else None
         if n is not None:
-            return self.exact_k[:n], self.exact_v[:n]
+            return ek[:n], ev[:n]
         # a prompt shorter than `sink`: the window is empty until sinks fill
-        return self.exact_k[:self.n_sink], self.exact_v[:self.n_sink]
+        return ek[:self.n_sink], ev[:self.n_sink]
 
     def _insert(self, k_row: np.ndarray, v_row: np.ndarray) -> None:
+        ek, ev = self._exact()
         if self.n_sink < self.sink:
-            self.exact_k[self.n_sink], self.exact_v[self.n_sink] = k_row, v_row
+            ek[self.n_sink], ev[self.n_sink] = k_row, v_row
             self.n_sink += 1
         elif self.win_len < self.w:
             slot = self._ring + (self.win_head + self.win_len) % self.w
-            self.exact_k[slot], self.exact_v[slot] = k_row, v_row
+            ek[slot], ev[slot] = k_row, v_row
             self.win_len += 1
         else:
             slot = self._ring + self.win_head
             if self.far is not None:
-                self.far = self.kernels.nystrom_absorb(self.far, self.exact_k[slot], self.exact_v[slot],
-                                                       scale=self.scale)
+                self.far = self.kernels.nystrom_absorb(self.far, ek[slot], ev[slot], scale=self.scale)
             else:
                 self.dropped += 1
-            self.exact_k[slot], self.exact_v[slot] = k_row, v_row
+            ek[slot], ev[slot] = k_row, v_row
             self.win_head = (self.win_head + 1) % self.w
         self.seen += 1
 
@@ -272,13 +281,15 @@ class NystromState:
         if not self.prefilled:
             raise StateError("NystromState.window_rows: not prefilled")
         idx = self._ring + (self.win_head + np.arange(self.win_len)) % self.w
-        return self.exact_k[idx].copy(), self.exact_v[idx].copy()
+        ek, ev = self._exact()
+        return ek[idx].copy(), ev[idx].copy()
 
     def sink_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The sink rows (copies): ``(k, v) [n_sink, hd]``."""
         if not self.prefilled:
             raise StateError("NystromState.sink_rows: not prefilled")
-        return self.exact_k[:self.n_sink].copy(), self.exact_v[:self.n_sink].copy()
+        ek, ev = self._exact()
+        return ek[:self.n_sink].copy(), ev[:self.n_sink].copy()
 
     def heavy_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The heavy rows (copies), in prompt order (positions
@@ -286,7 +297,8 @@ class NystromState:
         if not self.prefilled:
             raise StateError("NystromState.heavy_rows: not prefilled")
         sl = slice(self.sink, self._ring)
-        return self.exact_k[sl].copy(), self.exact_v[sl].copy()
+        ek, ev = self._exact()
+        return ek[sl].copy(), ev[sl].copy()
 
 
 def seal_groups(trace: np.ndarray, keys: np.ndarray, values: np.ndarray, *, m: int, w: int, sink: int,

@@ -31,13 +31,15 @@ import functools
 import itertools
 import weakref
 from collections import deque
+from typing import Any
 
 import numpy as np
 
 from .. import _snapshot
+from .._snapshot import Snapshot
 from ..modes import KV_K_GROUP, KvMode
 from ..quant import num_groups, rotates
-from ..views import DecodeSlot, DenseRows, KvView, readonly
+from ..views import DecodeSlot, DenseRows, ExactRows, KiviRows, KvView, Q8Rows, TierRows, WindowRows, readonly
 
 _GEN = itertools.count(1)
 
@@ -45,6 +47,9 @@ _GEN = itertools.count(1)
 #: blocks, the per-head state beyond them, the field and exact rows.
 ARRAYS = ("k", "v", "kq", "ks", "vq", "vs", "kcol", "vcol", "xk", "xv", "thk", "thv", "k4", "k4s", "v4", "v4s",
           "t8k", "t8ks", "t8v", "t8vs", "k2", "k2s", "k2z", "v2", "v2s", "v2z")
+
+#: A view's row groups, in :class:`~kvreg.views.KvView`'s order: dense, q8, exact, window, tiers.
+Groups = tuple[DenseRows, Q8Rows | None, ExactRows | None, WindowRows | None, TierRows | KiviRows | None]
 
 #: Truncations a storage remembers for device mirrors (older ones: a full re-upload).
 FLOOR_LOG = 64
@@ -116,6 +121,37 @@ class Storage(abc.ABC):
     start.
     """
 
+    # The arrays of ARRAYS and the window and tier bounds: an ndarray where
+    # the family and mode hold one, else None. The mode says which, so they
+    # are typed Any: ``ndarray | None`` would ask for a None check at every
+    # read the mode already vouches for.
+    k: Any
+    v: Any
+    kq: Any
+    ks: Any
+    vq: Any
+    vs: Any
+    xk: Any
+    xv: Any
+    thk: Any
+    thv: Any
+    k4: Any
+    k4s: Any
+    v4: Any
+    v4s: Any
+    t8k: Any
+    t8ks: Any
+    t8v: Any
+    t8vs: Any
+    k2: Any
+    k2s: Any
+    k2z: Any
+    v2: Any
+    v2s: Any
+    v2z: Any
+    b8: Any
+    b4: Any
+
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int = 0):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -148,7 +184,7 @@ class Storage(abc.ABC):
         self._view: KvView | None = None
         self._arrays: dict | None = None   # the view's read-only arrays by name (None: rebuild)
         self._rows = _Rows(self)
-        self._snap: _snapshot.Snapshot | None = None   # the snapshot its row blocks map (forks)
+        self._snap: Snapshot | None = None   # the snapshot its row blocks map (forks)
 
     # ── what a family defines ──
 
@@ -236,7 +272,7 @@ class Storage(abc.ABC):
                           self.rot_v, *self._groups(lambda n: getattr(self, n), lambda a: a), self.version,
                           self.reset_version, self._log_start, tuple(self._floors))
 
-    def _groups(self, array, count) -> tuple:
+    def _groups(self, array, count) -> Groups:
         """The view's row groups ``(dense, q8, exact, window, tiers)``, each
         array read through ``array(name)`` and each per-head count through
         ``count(a)`` (a frozen copy for a view, the array for a slot)."""
@@ -291,7 +327,7 @@ class Storage(abc.ABC):
     def _block_bytes(self) -> int:
         return sum(getattr(self, n).nbytes for n in self.block_names())
 
-    def _snapshot(self) -> _snapshot.Snapshot:
+    def _snapshot(self) -> Snapshot:
         """Move this storage's row blocks into a fresh snapshot it maps (a
         new capacity: room for a fork to decode on)."""
         if len(self._rows.holders) > 1:   # holders sharing its arrays keep them, and their identity
@@ -299,14 +335,14 @@ class Storage(abc.ABC):
             self._rows = _Rows(self)
         n = int(self.lens.max(initial=0))
         cap = max(self.cap, 2 * n, n + 4096)
-        snap = _snapshot.Snapshot({b: getattr(self, b) for b in self.block_names()}, self.lens, cap, 0,
+        snap = Snapshot({b: getattr(self, b) for b in self.block_names()}, self.lens, cap, 0,
                                   int(self.lens.sum()) * self._row_block_bytes())
         self._install(snap)
         self._touch(arrays=True)          # a new capacity: mirrors re-read the layout
         snap.version = self.version
         return snap
 
-    def _install(self, snap: _snapshot.Snapshot) -> None:
+    def _install(self, snap: Snapshot) -> None:
         for name, a in snap.map().items():
             setattr(self, name, a)
         self.cap = snap.specs[0][2][1]

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import ShapeError
 from ..modes import KV_COL_WARMUP, KV_K_GROUP, Q8_ABS_MAX, KvMode
 from ..views import DenseRows, ExactRows, Q8Rows, WindowRows
-from .base import Storage, writes
+from .base import Groups, Storage, writes
 
 
 def _field_rows(col: np.ndarray, col_set: np.ndarray, heads: np.ndarray, n: int) -> np.ndarray | None:
@@ -104,7 +104,7 @@ class Int8Storage(Storage):
         th = self.thk if block in ("kq", "ks") else self.thv if block in ("vq", "vs") else None
         return self.b8 if self.window and th is not None else self.lens
 
-    def _groups(self, array, count) -> tuple:
+    def _groups(self, array, count) -> Groups:
         q8 = Q8Rows(array("kq"), array("ks"), array("vq"), array("vs"), array("kcol"), array("vcol"),
                     count(self.kcol_set), count(self.vcol_set), self.ngk)
         exact = ExactRows(array("xk"), array("xv"), count(self.xlen), self.exact_cap) if self.exact_cap else None

@@ -46,7 +46,7 @@ from ..errors import ShapeError
 from ..modes import Q2_GROUP, Q2_SINK_ROWS, Q2_V_GROUP, Q2_WINDOW, KvMode
 from ..quant import HALF_OVERFLOW, dequantize_int2, num_groups, pack_int2, quantize_int2, unpack_int2
 from ..views import KiviRows, kivi_keys
-from .base import writes
+from .base import Groups, writes
 from .int8 import Int8Storage
 
 _F16_MAX = HALF_OVERFLOW["f16"]
@@ -63,7 +63,7 @@ class KiviStorage(Int8Storage):
     def _exact_rows(self, asked: int) -> int:
         return Q2_SINK_ROWS
 
-    def _groups(self, array, count) -> tuple:
+    def _groups(self, array, count) -> Groups:
         dense, _, exact, window, _ = super()._groups(array, count)
         tiers = KiviRows(array("k2"), array("k2s"), array("k2z"), array("v2"), array("v2s"), array("v2z"))
         return dense, None, exact, window, tiers
@@ -226,8 +226,8 @@ class KiviStorage(Int8Storage):
             for name in ("v2", "v2s", "v2z"):
                 blocks[name][was] = old["bits"][name][idx[was]]
             for i, j in enumerate(fresh):
-                for name, a in blocks.items():
-                    getattr(self, name)[h, j * g:(j + 1) * g] = a[i * g:(i + 1) * g]
+                for name, arr in blocks.items():
+                    getattr(self, name)[h, j * g:(j + 1) * g] = arr[i * g:(i + 1) * g]
         for name in self.block_names():
             getattr(self, name)[h, nb:max(n, old["n"])] = 0
         for th, side in ((self.thk, "k"), (self.thv, "v")):

@@ -22,7 +22,7 @@ from ..errors import ShapeError
 from ..modes import Q4_INT8_GROUP, Q4_INT8_ROWS, Q4_K_GROUP, Q4_SINK_ROWS, Q4_V_GROUP, Q4_WINDOW, KvMode
 from ..quant import HALF_OVERFLOW, dequantize_half_scaled, num_groups, pack_int4, quantize_half_scaled
 from ..views import TierRows
-from .base import writes
+from .base import Groups, writes
 from .int8 import Int8Storage
 
 
@@ -41,7 +41,7 @@ class TieredStorage(Int8Storage):
     def _exact_rows(self, asked: int) -> int:
         return Q4_SINK_ROWS
 
-    def _groups(self, array, count) -> tuple:
+    def _groups(self, array, count) -> Groups:
         dense, q8, exact, window, _ = super()._groups(array, count)
         tiers = TierRows(array("k4"), array("k4s"), array("v4"), array("v4s"), count(self.b4), array("t8k"),
                          array("t8ks"), array("t8v"), array("t8vs"))

@@ -27,7 +27,8 @@ def encode_cache(layer_blobs) -> bytes:
     layer a u64 length, the layer's blob (opaque here) and a u32 CRC-32 of
     that blob."""
     blobs = [memoryview(b).cast("B") for b in layer_blobs]
-    chunks = [CACHE_HEAD.pack(CACHE_MAGIC, CACHE_VERSION, uint(len(blobs), "layer count", U32_MAX))]
+    chunks: list[bytes | memoryview] = [CACHE_HEAD.pack(CACHE_MAGIC, CACHE_VERSION, uint(len(blobs), "layer count",
+                                                                                   U32_MAX))]
     for b in blobs:
         chunks += [U64.pack(len(b)), b, U32.pack(crc32([b]))]
     return b"".join(chunks)

@@ -92,7 +92,7 @@ class RowClass(enum.IntEnum):
 
 #: v3 dtype codes (u8) -> little-endian numpy dtype. 0 is no dtype. A bool
 #: block travels as one byte 0/1 per element (any other byte is refused).
-DTYPE_CODES = {
+DTYPE_CODES: dict[int, np.dtype] = {
     1: np.dtype("<f4"), 2: np.dtype("<f2"), 3: np.dtype("i1"), 4: np.dtype("u1"),
     5: np.dtype("<i2"), 6: np.dtype("<u2"), 7: np.dtype("<i4"), 8: np.dtype("<u4"),
     9: np.dtype("<i8"), 10: np.dtype("<u8"), 11: np.dtype("<f8"), 12: np.dtype("?"),

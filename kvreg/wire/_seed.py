@@ -115,7 +115,8 @@ def full_body(r: Reader, expect: Expect | None, header_f16: bool | None) -> dict
     r.need(8 * heads, f"{heads} K/V count pairs", "record")
     ks, vs, rows_max, payload_at = [], [], 0, []
     for h in range(heads):
-        pair, offs = [], []
+        pair: list[tuple[int, np.ndarray | None]] = []
+        offs: list[int] = []
         for which in "KV":
             at = r.o
             (n,) = r.unpack(U32, f"{which} count of head {h}")
@@ -147,7 +148,7 @@ def linear_record(r: Reader, expect: Expect | None, head: tuple) -> LayerState:
     r.trailing()
     m = r.materialize
     return LayerState(kind, identity, layer, position, 0, position, heads, hd,
-                      linear_state=lin_a, imp=np.zeros(0, np.float32) if m else None,
+                      linear_state=lin_a, imp=np.zeros(0, np.float32),
                       k=empty_rows(heads, hd, m), v=empty_rows(heads, hd, m))
 
 
@@ -178,7 +179,6 @@ def bounded_record(r: Reader, expect: Expect | None, head: tuple, f16: bool) -> 
     if m:
         rk, rv = rk.reshape(heads, window, hd), rv.reshape(heads, window, hd)
     return LayerState(kind, identity, layer, position, 0, position, heads, hd,
-                      linear_state=np.zeros(0, np.float32) if m else None,
-                      imp=np.zeros(0, np.float32) if m else None,
+                      linear_state=np.zeros(0, np.float32), imp=np.zeros(0, np.float32),
                       k=empty_rows(heads, hd, m), v=empty_rows(heads, hd, m),
                       bounded=BoundedRecord(window, blen, bhead, rk, rv))

@@ -68,6 +68,7 @@ def _same_dtype(a, b) -> bool:
 def v3_chunks(st: LayerState) -> list:
     """The v3 storage body (docs/wire.md): refuses whatever decode would."""
     s = st.storage
+    assert s is not None   # encode writes v3 for a state with a storage only
     heads, hd = int(st.num_kv_heads), int(st.head_dim)
     if s.mode not in MODE_NAMES:
         raise WireError(f"kv export: unknown KV mode {s.mode!r} (this runtime stores {', '.join(MODE_NAMES)})")
@@ -239,6 +240,7 @@ def v3_body(r: Reader, expect: Expect | None) -> dict:
             continue
         # astype always copies: fresh memory, native byte order.
         arr = raw.astype(sp.dtype.newbyteorder("="))
+        data: np.ndarray | list[np.ndarray]
         if counts is None:
             data = arr.reshape((heads,) + sp.shape)
         else:

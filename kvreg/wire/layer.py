@@ -299,6 +299,7 @@ class WireCodec:
             return _Install(self._storage(), rec.linear_state, 0, rec.seq_len)
         if rec.kind == WireKind.Bounded:
             b = rec.bounded
+            assert b is not None   # decode gives every Bounded record its ring
             for name, ring in (("K", b.ring_k), ("V", b.ring_v)):
                 if not np.isfinite(ring).all():
                     at = np.argwhere(~np.isfinite(ring))[0].tolist()
@@ -387,6 +388,7 @@ class WireCodec:
         bit for bit (decode checked mode, exact capacity, block table, counts),
         ``seq_len`` positions."""
         s = rec.storage
+        assert s is not None   # called for v3 records, which decode with their storage
         fresh = self._storage()
         fresh.load({b.spec.name: b.data for b in s.blocks if b.spec.rows is not RowClass.HEAD},
                    s.lens, seq_len, rec.imp, xlen=s.xlen,
