@@ -62,7 +62,7 @@ def test_core_source_tree_has_no_tools_suite_or_large_files():
 def test_core_wheel_has_no_tools_suite_or_large_files(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "kvreg", src / "kvreg", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     infos, eps, _ = _wheel(tmp_path, src, "kvreg")

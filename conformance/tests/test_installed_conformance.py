@@ -47,7 +47,7 @@ def install_kvreg(tmp: Path) -> Path:
     """kvreg itself, built from a copy of its sources (not an editable checkout)."""
     src = tmp / "kvreg_src"
     shutil.copytree(ROOT / "kvreg", src / "kvreg", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
     return pip_install(src, tmp / "kvreg_site")
 
