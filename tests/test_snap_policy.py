@@ -129,3 +129,24 @@ def test_sealed_sliding_layers_hold_only_their_window_and_fixed_bytes(qwen2):
     plain = KvregCache(qwen2, mode="q8", o1=(8, 4, 2, 4), o1_observe=4)
     _run(qwen2, plain, ids)
     assert not any(layer.o1_sealed() for w, layer in zip(plain.windows, plain.sequences[0].layers) if w is not None)
+
+
+def test_a_q2_sliding_layer_trims_whole_blocks_so_no_row_is_requantized(qwen2):
+    """A sliding layer's trim in a blocked mode drops whole 2-bit blocks
+    (``Storage.drop_align``): a partial block would be quantized again from
+    its dequantized rows at every trim, compounding the error."""
+    ids = torch.randint(3, 128, (1, PROMPT + 60), generator=torch.Generator().manual_seed(4))
+    cache = KvregCache(qwen2, mode="q2")
+    sliding = [layer for w, layer in zip(cache.windows, cache.sequences[0].layers) if w is not None]
+    align = sliding[0].storage.drop_align
+    assert align > 1
+    drops, rows = [], []
+    with torch.no_grad():
+        for start, stop in [(0, PROMPT)] + [(t, t + 1) for t in range(PROMPT, ids.shape[1])]:
+            before = [layer.seq_len for layer in sliding]
+            qwen2(input_ids=ids[:, start:stop], cache=cache, use_cache=True)
+            after = [layer.seq_len for layer in sliding]
+            drops += [b + stop - start - a for b, a in zip(before, after) if b + stop - start != a]
+            rows += after
+    assert len(drops) > len(sliding) and all(d % align == 0 for d in drops), drops
+    assert max(rows) < 16 - 1 + align + 1, max(rows)     # window 16: never a whole block more than it needs

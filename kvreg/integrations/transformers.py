@@ -59,7 +59,9 @@ How it fits transformers (5.x):
   between steps) whenever they exceed that by :func:`sliding_slack` rows
   (``window // 32``): a sliding layer holds at most about 3% more rows than
   ``DynamicCache``'s, and the trim (a copy of the rows kept) costs about 32
-  rows per token whatever the window. Global layers keep everything unless a budget is set.
+  rows per token whatever the window; a blocked mode (``q2``) trims whole
+  blocks (``Storage.drop_align`` rows), so a trim requantizes nothing.
+  Global layers keep everything unless a budget is set.
 - Eviction at a budget (``budget=N``): after each step a global layer holding
   more than ``N`` rows keeps ``N``: ``EvictionPolicy.Born(sink)`` keeps the
   ``sink`` first rows, the ``N // 2`` newest and the rest by accumulated
@@ -746,7 +748,11 @@ class KvregCache(R.RoutedCache):
         rows = layer.seq_len
         if window is not None:
             if rows > window - 1 + sliding_slack(window):
-                layer.evict(window - 1)
+                # whole blocks of a blocked mode (q2), so a trim requantizes nothing
+                align = layer.storage.drop_align
+                drop = (rows - (window - 1)) // align * align
+                if drop:
+                    layer.evict(rows - drop)
         elif self.budget is not None and rows > self.budget:
             keep = self.budget
             if isinstance(self.policy, Born):

@@ -121,6 +121,10 @@ class Storage(abc.ABC):
     start.
     """
 
+    #: A removal from the front (:meth:`drop_front`) of a multiple of this
+    #: many rows keeps every stored bit; other counts may requantize rows.
+    drop_align: int = 1
+
     # The arrays of ARRAYS and the window and tier bounds: an ndarray where
     # the family and mode hold one, else None. The mode says which, so they
     # are typed Any: ``ndarray | None`` would ask for a None check at every

@@ -55,6 +55,8 @@ _F16_MAX = HALF_OVERFLOW["f16"]
 class KiviStorage(Int8Storage):
     """The q2 family (module docstring)."""
 
+    drop_align = Q2_GROUP   # whole blocks leave with their bits; a partial one re-blocks
+
     def __init__(self, num_kv_heads: int, head_dim: int, mode: KvMode, exact_rows: int = 0):
         super().__init__(num_kv_heads, head_dim, mode, exact_rows)
         #: Channels of K statistics each row of a block holds (its stripe).
