@@ -56,11 +56,8 @@ How it fits transformers (5.x):
   or the seal drop: RoPE positions stay absolute.
 - Sliding layers (Gemma 3): attended with kvreg's ``window`` and trimmed to
   the newest ``window - 1`` rows (what ``DynamicCache``'s sliding layers keep
-  between steps) whenever they exceed that by :func:`sliding_slack` rows
-  (``window // 32``): a sliding layer holds at most about 3% more rows than
-  ``DynamicCache``'s, and the trim (a copy of the rows kept) costs about 32
-  rows per token whatever the window; a blocked mode (``q2``) trims whole
-  blocks (``Storage.drop_align`` rows), so a trim requantizes nothing.
+  between steps) once they exceed that by :func:`sliding_slack` rows; a
+  blocked mode (``q2``) trims whole blocks, so a trim requantizes nothing.
   Global layers keep everything unless a budget is set.
 - Eviction at a budget (``budget=N``): after each step a global layer holding
   more than ``N`` rows keeps ``N``: ``EvictionPolicy.Born(sink)`` keeps the
@@ -148,11 +145,11 @@ SUPPORTED = {
     "phimoe": "Phi-3.5-MoE: a sliding window its masks apply",
 }
 
+
 def sliding_slack(window: int) -> int:
     """Rows a sliding layer may hold beyond ``window - 1`` before it is
-    trimmed back: a fixed fraction of the window, so the memory over
-    ``DynamicCache``'s stays about 3% and the trim's copy of ``window - 1``
-    rows, made once per ``window // 32`` tokens, costs about 32 rows per token."""
+    trimmed: ``window // 32``, so it holds about 3% more than
+    ``DynamicCache``'s and the trim's copy costs about 32 rows per token."""
     return max(1, window // 32)
 
 
@@ -242,18 +239,15 @@ class KvregCache(R.RoutedCache):
     can serve exactly (the module docstring; anything else is refused
     here, with the reason). The model's forwards handed this cache run
     kvreg's attention; its forwards with any other cache run as configured.
-    ``mode``: a :class:`kvreg.KvMode` or its name (None: ``KVREG_KV``, else
-    the model's dtype: f32, f16 or bf16). ``backend``: a kvreg backend name or instance (None:
+    ``mode``: a :class:`kvreg.KvMode` or its name (None: ``KVREG_KV``, else the
+    model's dtype). ``backend``: a kvreg backend name or instance (None:
     ``KVREG_BACKEND``). ``policy`` / ``budget`` / ``sink``: eviction of the
-    global layers at ``budget`` rows (see the module docstring; a budget
-    without a policy uses ``EvictionPolicy.Born(sink=4)``). ``o1=(m, w,
-    sink[, heavy])``: the O(1) seal on the global layers (not with a budget),
-    with the far field ``o1_far`` (``"tiered"`` or ``"nystrom"``); the tiered
-    one stores its far rows as ``o1_far_format`` (``"int4"``, ``"int2"`` or
-    ``"int8"``) and, with ``o1_observe=n``, chooses rows at the seal by the
-    prompt's last ``n`` queries (``Seal.begin``); ``o1_sliding=True`` seals
-    the sliding-window layers too (each within its window, no sinks). See
-    the module docstring for dtypes, batches and positions.
+    global layers at ``budget`` rows (a budget alone: ``Born(sink=4)``).
+    ``o1=(m, w, sink[, heavy])``: the O(1) seal on the global layers, far
+    field ``o1_far`` (``"tiered"`` or ``"nystrom"``); the tiered one keeps
+    far rows as ``o1_far_format`` (``"int4"``, ``"int2"``, ``"int8"``), with
+    ``o1_observe=n`` chooses rows by the prompt's last ``n`` queries, and
+    with ``o1_sliding=True`` seals the sliding layers within their window.
     """
     layers: list[KvregLayer]  # type: ignore[assignment]  # Cache's type names its own layer kinds
 
@@ -748,8 +742,7 @@ class KvregCache(R.RoutedCache):
         rows = layer.seq_len
         if window is not None:
             if rows > window - 1 + sliding_slack(window):
-                # whole blocks of a blocked mode (q2), so a trim requantizes nothing
-                align = layer.storage.drop_align
+                align = layer.storage.drop_align    # whole q2 blocks: a trim requantizes nothing
                 drop = (rows - (window - 1)) // align * align
                 if drop:
                     layer.evict(rows - drop)
