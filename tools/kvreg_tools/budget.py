@@ -83,6 +83,18 @@ class Geometry:
             rows.append(held)
         return rows
 
+    def _sliding_peak(self, w: int, mode: str) -> int:
+        """The most rows a sliding layer of ``mode`` holds (its trims drop
+        whole blocks of the mode's ``drop_align`` rows); computed once."""
+        key = ("sliding", w, mode)
+        if key not in self._memo:
+            from kvreg.modes import KvMode
+            from kvreg.storage import make_storage
+
+            align = make_storage(1, 1, KvMode.parse(mode)).drop_align
+            self._memo[key] = max(self._sliding_rows(w, align))
+        return self._memo[key]
+
     def f32_peak(self) -> int:
         """The float32 cache's peak bytes, exactly (what budgets are fractions of)."""
         steps = self.tokens - self.prefix + 1
@@ -95,13 +107,9 @@ class Geometry:
     def plain(self, mode: str, rows: int | None = None) -> int:
         """Peak bytes of every layer in ``mode``, at most: global layers at
         ``rows`` (None: the whole text), sliding ones at their own peak."""
-        from kvreg.modes import KvMode
-        from kvreg.storage import make_storage
-
-        align = make_storage(1, 1, KvMode.parse(mode)).drop_align
         total = 0
         for nkv, hd, w in self.layers:
-            n = (self.tokens if rows is None else rows) if w is None else max(self._sliding_rows(w, align))
+            n = (self.tokens if rows is None else rows) if w is None else self._sliding_peak(w, mode)
             key = (mode, nkv, hd, n)
             if key not in self._memo:
                 self._memo[key] = _plain_bytes(mode, nkv, hd, n)
