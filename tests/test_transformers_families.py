@@ -150,11 +150,17 @@ def test_left_padded_batch_of_two_gives_dynamic_cache_tokens(models, family):
     cache = KvregCache(model, mode="f32")
     got = _generate(model, cache, ids, mask)
     assert torch.equal(got, ref), family
-    # the pad columns are not stored: the shorter prompt holds 6 rows fewer
-    # in a global layer (a sliding one holds its window in both)
-    full = cache.windows.index(None)
-    lens = [seq.layers[full].seq_len for seq in cache.sequences]
-    assert lens[0] - lens[1] == 6
+    # the pad columns are not stored: with prompts inside the window, every
+    # layer, sliding or global, holds 6 rows fewer for the padded one
+    short = torch.cat([_ids(12, seed=3), torch.cat([torch.zeros(1, 6, dtype=torch.long), _ids(6, seed=4)], 1)])
+    mask = (short != 0).long()
+    mask[0] = 1
+    cache = KvregCache(model, mode="f32")
+    with torch.no_grad():
+        model(input_ids=short, attention_mask=mask, use_cache=True, **{_kw(model): cache})
+    for i in range(cache.num_layers):
+        rows = [seq.layers[i].seq_len for seq in cache.sequences]
+        assert rows == [12, 6], (family, i, rows)
 
 
 @pytest.mark.parametrize("family", family_params(default=("llama",)))
