@@ -91,8 +91,16 @@ def chunk_rows(st: Storage, backend, fresh: Fresh | None, lo: int, n: int) -> St
     return DenseStorage.of_rows(k, v)
 
 
-def group(layer, q_group, kv_head, scale, first, softcap, sinks, upto, imp_acc) -> np.ndarray:
-    """:meth:`LayerKvCache.attend_group <kvreg.LayerKvCache.attend_group>`: checked, then the kernel."""
+def attend_group(layer, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
+                 sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
+    """All Q heads of one KV group in one pass (``[nheads, hd]`` or flat).
+
+    Scores rows ``[first, stored)`` only (``stored = min(head_len, upto)``);
+    ``softcap > 0`` applies ``c·tanh(s/c)``; ``sinks`` (one logit per head
+    of this group) join the max and the denominator; ``imp_acc`` (float32,
+    writable) accumulates ``Σ_h probs``. Returns ``[nheads, hd]``
+    (:meth:`LayerKvCache.attend_group <kvreg.LayerKvCache.attend_group>`:
+    checked, then the kernel)."""
     st = layer.storage
     kv_head = V.index("kv_head", kv_head, layer.num_kv_heads)
     q = V.heads("q_group", q_group, layer.head_dim)
@@ -111,14 +119,21 @@ def group(layer, q_group, kv_head, scale, first, softcap, sinks, upto, imp_acc) 
                           first=first, upto=upto, softcap=V.softcap(softcap), sinks=sinks, imp=imp)
 
 
-def chunk(layer, q_all, b, s0, hpk, scale, window, importance) -> np.ndarray:
-    """:meth:`LayerKvCache.attend_chunk <kvreg.LayerKvCache.attend_chunk>`:
-    checked, then the chunk kernel on the storage's own view where it reads
-    it (F32; q8 without a window on a backend with ``native_q8_chunk``),
-    else on the rows it reads widened (:func:`chunk_rows`; the kernel's
-    masks are relative to its first row, so it sees the same rows)."""
+def attend_chunk(layer, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
+                 window: int | None = None, importance: bool = True) -> np.ndarray:
+    """Causal attention of a prefill chunk already appended: ``q_all [b,
+    num_heads, hd]``, the layer holding ``s0 + b`` rows; row ``i`` sees
+    rows ``[s0+i+1-window, s0+i+1)``. Importance gets the masked column
+    sums (``importance=False``: not computed). Tolerance class against
+    the per-row path. Returns ``[b, num_heads, hd]``
+    (:meth:`LayerKvCache.attend_chunk <kvreg.LayerKvCache.attend_chunk>`).
+
+    The chunk kernel runs on the storage's own view where it reads it
+    (F32; q8 without a window on a backend with ``native_q8_chunk``), else
+    on the rows it reads widened (:func:`chunk_rows`; the kernel's masks are
+    relative to its first row, so it sees the same rows)."""
     st, backend = layer.storage, layer.backend
-    b, s0, hpk = V.positive_int("b", b), V.nonneg_int("s0", s0), V.positive_int("heads_per_kv", hpk)
+    b, s0, hpk = V.positive_int("b", b), V.nonneg_int("s0", s0), V.positive_int("heads_per_kv", heads_per_kv)
     n = s0 + b
     if not (st.lens == n).all():
         raise ShapeError(f"attend_chunk needs every KV head to hold s0+b={n} rows; heads hold {st.lens.tolist()}")
@@ -126,23 +141,28 @@ def chunk(layer, q_all, b, s0, hpk, scale, window, importance) -> np.ndarray:
     if window is not None:
         # A window past every row reads them all: clamped (as attend_layer).
         window = min(V.positive_int("window", window), n)
-    scale = layer.default_scale if scale is None else V.scale(scale)
+    sc = layer.default_scale if scale is None else V.scale(scale)
     imp = st.imp if V.flag("importance", importance) else None
     if st.mode is KvMode.F32 or (st.mode.quantized and not st.window and backend.native_q8_chunk):
-        out = backend.attend_chunk(q, st.view(), s0=s0, b=b, hpk=hpk, scale=scale, window=window, imp=imp)
+        out = backend.attend_chunk(q, st.view(), s0=s0, b=b, hpk=hpk, scale=sc, window=window, imp=imp)
     else:
         lo = min(max(0, s0 + 1 - window), n) if window else 0
         rows = chunk_rows(st, backend, layer._fresh, lo, n)
-        out = backend.attend_chunk(q, rows.view(), s0=s0 - lo, b=b, hpk=hpk, scale=scale, window=window,
+        out = backend.attend_chunk(q, rows.view(), s0=s0 - lo, b=b, hpk=hpk, scale=sc, window=window,
                                    imp=None if imp is None else imp[lo:])
     layer.seal.record(q)
     return out
 
 
-def append_attend(layer, k, v, q_all, kwargs: dict, out) -> np.ndarray:
-    """:meth:`LayerKvCache.append_attend <kvreg.LayerKvCache.append_attend>`:
-    everything checked before the row is stored; then the backend's fused
-    step where it takes it, else the append and the attend."""
+def append_attend(layer, k, v, q_all, *, scale: float | None = None, window: int | None = None,
+                  softcap: float = 0.0, sinks="layer", importance: bool = True,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """A decode step: :meth:`~kvreg.LayerKvCache.append` then
+    :meth:`~kvreg.LayerKvCache.attend_layer`, the same answer and state bit
+    for bit, everything checked before the row is stored; one launch where
+    the backend has a fused kernel (:func:`fused_step`). ``out``: a float32
+    ``[num_heads, hd]`` buffer the answer is written to."""
+    kwargs = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, importance=importance)
     nkv, hd = layer.num_kv_heads, layer.head_dim
     q = V.heads("q_all", q_all, hd)
     k = V.rows("k", k, nkv, hd)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvreg.errors import ConfigError, ShapeError, StateError
+from kvreg.lifecycle import Lifecycle
 from kvreg.views import RingView, readonly
 
 __all__ = [
@@ -38,6 +39,8 @@ __all__ = [
     "BoundedSnapshot",
     "BoundedState",
     "BoundedWeights",
+    "Ring",
+    "RingSlot",
     "bounded_attend",
     "check_bounded_attend_args",
     "ring_view",
@@ -617,3 +620,59 @@ class Ring:
             warnings.warn(f"bounded anchor: rollback of {d} exceeds the undo depth ({rolled} restored)",
                           stacklevel=4)
         return self.state.seen
+
+
+class RingSlot:
+    """Where a layer keeps its bounded ring (the layer's part behind the
+    seed's ``install_bounded``, ``bounded_step``, ``bounded_snapshot``,
+    ``bounded_restore`` and ``bounded_state_bytes``, which call these under
+    the layer's lock): empty until :meth:`install` puts a :class:`Ring` in
+    it, once, at load."""
+
+    def __init__(self, layer):
+        self._layer = layer
+        #: The installed ring (None: not a bounded layer).
+        self.ring: Ring | None = None
+
+    def install(self, window: int, *, undo_depth: int = 8) -> None:
+        """Give the layer its fixed ring (``[kvh, window, hd]`` K and V).
+        Called once at load; ``clear()`` zeroes it, nothing reallocates it."""
+        from kvreg.wire import WireKind
+
+        lay = self._layer
+        if lay.seq_len or lay.storage.seq_len:
+            raise StateError(f"install_bounded on a layer holding {lay.seq_len} rows: install at load")
+        if lay.lifecycle in (Lifecycle.COLLECTING, Lifecycle.SEALED):
+            raise StateError(f"install_bounded on a layer with an O(1) overlay ({lay.lifecycle.value})")
+        self.ring = Ring(lay.num_kv_heads, lay.head_dim, window, undo_depth=undo_depth)
+        lay.wire.kind = WireKind.Bounded
+        lay._lifecycle = Lifecycle.BOUNDED
+
+    def step(self, q, k, v, weights: BoundedWeights, rope: BoundedRope, scale: float, num_heads: int) -> np.ndarray:
+        """One position: insert raw ``k, v`` (``[kvh, hd]``) into slot
+        ``t mod W``, then attend every Q head of ``q`` (``[nh, hd]``, raw) over
+        its group's sinks ∪ newest rows. Returns ``[num_heads, hd]``. A
+        refused step leaves the ring and the depth as they were."""
+        if self.ring is None:
+            raise StateError("bounded_step on a layer without an installed ring (install_bounded)")
+        lay = self._layer
+        out = self.ring.step(lay.backend, q, k, v, weights, rope, scale, num_heads)
+        lay._count_position()
+        return out
+
+    def state_bytes(self) -> int:
+        """Bytes of the bounded ring (0 on other layers)."""
+        return 0 if self.ring is None else self.ring.state_bytes()
+
+    def snapshot(self) -> BoundedSnapshot | None:
+        """Bit-for-bit copy of the ring for speculation (None on other layers)."""
+        return None if self.ring is None else self.ring.state.snapshot()
+
+    def restore(self, snap: BoundedSnapshot) -> None:
+        """Restore a ring snapshot; the layer's ``seq_len`` follows the restored counter."""
+        if self.ring is None:
+            return
+        self.ring.state.restore(snap)
+        lay = self._layer
+        lay._seq_len = self.ring.state.seen
+        lay.storage.renew_generation()

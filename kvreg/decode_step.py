@@ -55,6 +55,21 @@ class DecodeStep:
         self._backend = None     # and its backend
         self._retry = 0          # calls left before preparing again
 
+    @classmethod
+    def prepare(cls, layer, num_heads: int, *, scale: float | None = None, window: int | None = None,
+                softcap: float = 0.0, sinks="layer", importance: bool = True,
+                out: np.ndarray | None = None) -> DecodeStep:
+        """:meth:`~kvreg.LayerKvCache.append_attend` with these arguments
+        prepared for a run of decode steps: a :class:`~kvreg.DecodeStep`
+        ``step(k, v, q)``, the answer in ``step.out``; bit for bit the calls
+        it stands for (:meth:`kvreg.LayerKvCache.decode_step`)."""
+        nh = V.positive_int("num_heads", num_heads)
+        args = dict(scale=scale, window=window, softcap=softcap, sinks=sinks, importance=importance)
+        layer._decode_args(nh, **args)
+        shape = (nh, layer.head_dim)
+        out = np.empty(shape, np.float32) if out is None else V.out_block("out", out, shape)
+        return cls(layer, nh, args, out)
+
     def __call__(self, k, v, q) -> np.ndarray:
         lay = self.layer
         with lay._lock:

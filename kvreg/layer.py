@@ -22,13 +22,12 @@ import numpy as np
 from . import _validate as V
 from . import attention as A
 from .absmax import AbsMax
-from .bounded import BoundedSnapshot, Ring
+from .bounded import Ring, RingSlot
 from .decode_step import DecodeStep
 from .errors import SealError, ShapeError, StateError
 from .eviction import born_keep, window_cut
 from .lifecycle import Lifecycle
 from .modes import Q8_ABS_MAX, Q8_EXACT_ROWS, KvMode
-from .quant import from_half
 from .registry import get_backend
 from .seal import Seal
 from .storage import Storage, make_storage
@@ -114,8 +113,7 @@ class LayerKvCache:
         self.linear = LinearState()
         self._absmax = AbsMax(self)
         self._fresh: A.Fresh | None = None
-        #: The bounded ring, once :meth:`install_bounded` ran (None otherwise).
-        self.ring: Ring | None = None
+        self._ring = RingSlot(self)
         #: The wire record this layer exchanges (v2 header fields) and its codec.
         self.wire = WireCodec(self, layer)
         #: The O(1) seal (idle until ``o1_begin``); it sets the lifecycle.
@@ -190,6 +188,11 @@ class LayerKvCache:
         self._sinks = None if value is None else V.float_vector("sinks", value)
 
     @property
+    def ring(self) -> Ring | None:
+        """The bounded ring, once :meth:`install_bounded` ran (None otherwise)."""
+        return self._ring.ring
+
+    @property
     def bounded(self):
         """The bounded ring's :class:`~kvreg.bounded.BoundedState` (None on other layers)."""
         return None if self.ring is None else self.ring.state
@@ -202,19 +205,11 @@ class LayerKvCache:
         """f32 keys of a head, ``[rows, hd]`` read-only (empty when K is int8).
         Under f32 a view, valid until the next mutation of the layer; under
         f16/bf16 the rows widened to float32 (a copy)."""
-        return self._head_view(self._st.k, kv_head)
+        return self._st.float_rows("k", V.index("kv_head", kv_head, self.num_kv_heads))
 
     def head_values(self, kv_head: int) -> np.ndarray:
         """f32 values of a head, ``[rows, hd]`` read-only (empty when V is int8; as :meth:`head_keys`)."""
-        return self._head_view(self._st.v, kv_head)
-
-    def _head_view(self, block, kv_head):
-        kv_head = V.index("kv_head", kv_head, self.num_kv_heads)
-        if block is None:
-            return np.zeros((0, self.head_dim), dtype=np.float32)
-        v = from_half(block[kv_head, : self._st.lens[kv_head]]).view()
-        v.flags.writeable = False
-        return v
+        return self._st.float_rows("v", V.index("kv_head", kv_head, self.num_kv_heads))
 
     @locked
     def memory_bytes(self) -> int:
@@ -339,16 +334,7 @@ class LayerKvCache:
                                scale=self.default_scale, first=0, upto=None, softcap=0.0, sinks=None, imp=probs)
         return out[0], probs
 
-    @locked
-    def attend_group(self, q_group, kv_head: int, *, scale: float, first: int = 0, softcap: float = 0.0,
-                     sinks=None, upto: int | None = None, imp_acc: np.ndarray | None = None) -> np.ndarray:
-        """All Q heads of one KV group in one pass (``[nheads, hd]`` or flat).
-
-        Scores rows ``[first, stored)`` only (``stored = min(head_len, upto)``);
-        ``softcap > 0`` applies ``c·tanh(s/c)``; ``sinks`` (one logit per head
-        of this group) join the max and the denominator; ``imp_acc`` (float32,
-        writable) accumulates ``Σ_h probs``. Returns ``[nheads, hd]``."""
-        return A.group(self, q_group, kv_head, scale, first, softcap, sinks, upto, imp_acc)
+    attend_group = locked(A.attend_group)
 
     def attend_group_upto(self, q_group, kv_head: int, *, upto: int, **kwargs) -> np.ndarray:
         """``attend_group`` over the first ``upto`` rows only: bit-identical to the
@@ -382,41 +368,11 @@ class LayerKvCache:
     def _decode_args(self, nh: int, scale, window, softcap, sinks, importance) -> dict:
         return self._args.resolve(self, nh, scale, window, softcap, sinks, importance)
 
-    @locked
-    def append_attend(self, k, v, q_all, *, scale: float | None = None, window: int | None = None,
-                      softcap: float = 0.0, sinks="layer", importance: bool = True,
-                      out: np.ndarray | None = None) -> np.ndarray:
-        """A decode step: :meth:`append` then :meth:`attend_layer`, the same
-        answer and state bit for bit, everything checked before the row is
-        stored; one launch where the backend has a fused kernel. ``out``: a
-        float32 ``[num_heads, hd]`` buffer the answer is written to."""
-        return A.append_attend(self, k, v, q_all, dict(scale=scale, window=window, softcap=softcap, sinks=sinks,
-                                                        importance=importance), out)
+    append_attend = locked(A.append_attend)
 
-    @locked
-    def decode_step(self, num_heads: int, *, scale: float | None = None, window: int | None = None,
-                    softcap: float = 0.0, sinks="layer", importance: bool = True,
-                    out: np.ndarray | None = None) -> DecodeStep:
-        """:meth:`append_attend` with these arguments prepared for a run of
-        decode steps: a :class:`~kvreg.DecodeStep` ``step(k, v, q)``, the
-        answer in ``step.out``; bit for bit the calls it stands for."""
-        nh = V.positive_int("num_heads", num_heads)
-        self._decode_args(nh, scale, window, softcap, sinks, importance)
-        shape = (nh, self.head_dim)
-        out = np.empty(shape, np.float32) if out is None else V.out_block("out", out, shape)
-        return DecodeStep(self, nh, dict(scale=scale, window=window, softcap=softcap, sinks=sinks,
-                                         importance=importance), out)
+    decode_step = locked(DecodeStep.prepare)
 
-    @locked
-    def attend_chunk(self, q_all, b: int, s0: int, heads_per_kv: int, *, scale: float | None = None,
-                     window: int | None = None, importance: bool = True) -> np.ndarray:
-        """Causal attention of a prefill chunk already appended: ``q_all [b,
-        num_heads, hd]``, the layer holding ``s0 + b`` rows; row ``i`` sees
-        rows ``[s0+i+1-window, s0+i+1)``. Importance gets the masked column
-        sums (``importance=False``: not computed). Tolerance class against
-        the per-row path (:func:`kvreg.attention.chunk`). Returns ``[b,
-        num_heads, hd]``."""
-        return A.chunk(self, q_all, b, s0, heads_per_kv, scale, window, importance)
+    attend_chunk = locked(A.attend_chunk)
 
     @locked
     def accumulate_imp(self, probs) -> None:
@@ -540,13 +496,6 @@ class LayerKvCache:
         self._fresh = None
         self._st.release()
 
-    def _attended_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every stored row ``[nkv, t, hd]`` as attention reads it, float32."""
-        t, st = self._seq_len, self._st
-        if self.mode is KvMode.F32:
-            return st.k[:, :t], st.v[:, :t]
-        return A.widened_rows(st, self.backend, 0, t)
-
     def _install_state(self, st: Storage, linear_state: np.ndarray, base: int, seq_len: int) -> None:
         """A wire import's prepared state replaces the conversation (nothing
         here can fail; learned sinks are weights: kept)."""
@@ -569,51 +518,13 @@ class LayerKvCache:
     kv_abs_max = _part("_absmax", AbsMax.scan)
     kv_abs_max_after = _part("_absmax", AbsMax.scan_after)
 
-    # ── the bounded ring (the seed's names) ──
+    # ── the bounded ring: the seed's names for :class:`kvreg.bounded.RingSlot`'s methods ──
 
-    @locked
-    def install_bounded(self, window: int, *, undo_depth: int = 8) -> None:
-        """Give this layer its fixed ring (``[kvh, window, hd]`` K and V).
-        Called once at load; ``clear()`` zeroes it, nothing reallocates it."""
-        from .wire import WireKind
-
-        if self._seq_len or self._st.seq_len:
-            raise StateError(f"install_bounded on a layer holding {self._seq_len} rows: install at load")
-        if self._lifecycle in (Lifecycle.COLLECTING, Lifecycle.SEALED):
-            raise StateError(f"install_bounded on a layer with an O(1) overlay ({self._lifecycle.value})")
-        self.ring = Ring(self.num_kv_heads, self.head_dim, window, undo_depth=undo_depth)
-        self.wire_kind = WireKind.Bounded
-        self._lifecycle = Lifecycle.BOUNDED
-
-    @locked
-    def bounded_step(self, q, k, v, weights, rope, scale: float, num_heads: int):
-        """One position: insert raw ``k, v`` (``[kvh, hd]``) into slot
-        ``t mod W``, then attend every Q head of ``q`` (``[nh, hd]``, raw) over
-        its group's sinks ∪ newest rows. Returns ``[num_heads, hd]``. A
-        refused step leaves the ring and the depth as they were."""
-        if self.ring is None:
-            raise StateError("bounded_step on a layer without an installed ring (install_bounded)")
-        out = self.ring.step(self.backend, q, k, v, weights, rope, scale, num_heads)
-        self._count_position()
-        return out
-
-    def bounded_state_bytes(self) -> int:
-        """Bytes of the bounded ring (0 on other layers)."""
-        return 0 if self.ring is None else self.ring.state_bytes()
-
-    @locked
-    def bounded_snapshot(self) -> BoundedSnapshot | None:
-        """Bit-for-bit copy of the ring for speculation (None on other layers)."""
-        return None if self.ring is None else self.ring.state.snapshot()
-
-    @locked
-    def bounded_restore(self, snap: BoundedSnapshot) -> None:
-        """Restore a ring snapshot; ``seq_len`` follows the restored counter."""
-        if self.ring is None:
-            return
-        self.ring.state.restore(snap)
-        self._seq_len = self.ring.state.seen
-        self._st.renew_generation()
+    install_bounded = _part("_ring", RingSlot.install)
+    bounded_step = _part("_ring", RingSlot.step)
+    bounded_state_bytes = _part("_ring", RingSlot.state_bytes)
+    bounded_snapshot = _part("_ring", RingSlot.snapshot)
+    bounded_restore = _part("_ring", RingSlot.restore)
 
     # ── the O(1) seal: the seed's names for :class:`kvreg.seal.Seal`'s methods ──
 

@@ -35,9 +35,11 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from . import _validate as V
+from .attention import widened_rows
 from .errors import ConfigError, SealError, ShapeError, StateError
 from .eviction import observed_mass
 from .lifecycle import Lifecycle
+from .modes import KvMode
 from .nystrom import O1Rect, o1_deferred_boundary, seal_groups
 from .tiered_seal import FAR_FORMATS, TieredSeal, exact_format
 
@@ -381,7 +383,9 @@ class Seal:
         NaN/inf there (or in the query ``trace``) makes the far field NaN: a
         malformed prerequisite like the others (abort and latch), found
         before anything converts."""
-        keys, values = self._layer._attended_rows()
+        lay = self._layer
+        t, st = lay.seq_len, lay.storage
+        keys, values = (st.k[:, :t], st.v[:, :t]) if lay.mode is KvMode.F32 else widened_rows(st, lay.backend, 0, t)
         named = (("query trace", trace),) if trace is not None else ()
         for name, a in named + (("keys", keys), ("values", values)):
             if not np.isfinite(a).all():

@@ -106,8 +106,16 @@ def test_no_backend_imports_a_private_name_of_the_core():
             assert not private, f"{path.relative_to(ROOT)} imports {base} {names}"
 
 
+#: The facade's own lines: what it does beyond naming its parts' methods.
+MAX_LAYER_CLASS_LINES = 500
+
+
 def test_the_layer_is_composed_not_inherited():
     assert kvreg.LayerKvCache.__bases__ == (object,)
+    tree = ast.parse((ROOT / "kvreg" / "layer.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LayerKvCache")
+    lines = cls.end_lineno - cls.lineno + 1
+    assert lines <= MAX_LAYER_CLASS_LINES, f"LayerKvCache is {lines} lines"
     lay = kvreg.LayerKvCache(2, 8, "q8", "reference")
     assert isinstance(lay.storage, Storage) and lay.seal is not None and lay.wire is not None and lay.ring is None
     lay.install_bounded(4)

@@ -38,7 +38,7 @@ import numpy as np
 from .. import _snapshot
 from .._snapshot import Snapshot
 from ..modes import KV_K_GROUP, KvMode
-from ..quant import num_groups, rotates
+from ..quant import from_half, num_groups, rotates
 from ..views import DecodeSlot, DenseRows, ExactRows, KiviRows, KvView, Q8Rows, TierRows, WindowRows, readonly
 
 _GEN = itertools.count(1)
@@ -251,6 +251,17 @@ class Storage(abc.ABC):
 
     def head_rows(self, h: int) -> int:
         return int(self.lens[h])
+
+    def float_rows(self, side: str, h: int) -> np.ndarray:
+        """Head ``h``'s stored ``side`` (``"k"``/``"v"``) rows, float32 and
+        read-only: a view under f32, widened under f16/bf16, empty where that
+        side is quantized."""
+        block = getattr(self, side)
+        if block is None:
+            return np.zeros((0, self.head_dim), dtype=np.float32)
+        rows = from_half(block[h, : self.lens[h]]).view()
+        rows.flags.writeable = False
+        return rows
 
     def attended_rows(self, side: str, h: int, lo: int, n: int) -> np.ndarray:
         """Rows ``[lo, n)`` of head ``h`` as the kernels answer with them
