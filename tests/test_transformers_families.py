@@ -56,6 +56,24 @@ FAMILIES = {
     # sliding layers with twice the KV heads of the global one, and sinks on them only
     "mimo_v2_flash": ("MiMoV2FlashConfig", {"sliding_window": WINDOW, "n_routed_experts": 4,
                                             "num_experts_per_tok": 2, "v_head_dim": 16}),
+    # fused QKV through Conv1D, multi-head attention, learned absolute positions
+    "gpt2": ("GPT2Config", {"num_key_value_heads": None, "head_dim": None}),
+    "opt": ("OPTConfig", {"num_key_value_heads": None, "head_dim": None, "ffn_dim": 128, "word_embed_proj_dim": 64}),
+    # fused QKV with grouped KV heads, parallel attention and MLP
+    "falcon": ("FalconConfig", {"head_dim": None, "new_decoder_architecture": True, "num_kv_heads": 2}),
+    # partial rotary on multi-head attention
+    "phi": ("PhiConfig", {"partial_rotary_factor": 0.5, "num_key_value_heads": None, "head_dim": None}),
+    # an attention scaling multiplier in place of 1/sqrt(head_dim)
+    "granite": ("GraniteConfig", {"attention_multiplier": 0.3, "residual_multiplier": 0.7, "logits_scaling": 2.0,
+                                  "embedding_multiplier": 3.0}),
+    "starcoder2": ("Starcoder2Config", {"sliding_window": WINDOW}),
+    # sliding layers with a global one every fourth, NoPE on the global
+    "cohere2": ("Cohere2Config", {"sliding_window": WINDOW}),
+    "olmo3": ("Olmo3Config", {"sliding_window": WINDOW}),
+    # alternating windows with soft-capping
+    "vaultgemma": ("VaultGemmaConfig", {"sliding_window": WINDOW, "query_pre_attn_scalar": 16,
+                                        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 30.0}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
 }
 DEFAULT_TIER = ("llama", "gemma2", "gpt_oss", "gpt_neox")
 
@@ -380,6 +398,24 @@ def test_alibi_and_hybrid_models_are_refused_at_construction():
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128, attn_layer_indices=[1],
                    mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2)
     assert "hybrid" in why
+
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=128)
+
+
+@pytest.mark.model_families
+@pytest.mark.parametrize("cls_name,kw,why", [
+    ("Llama4TextConfig", dict(TINY, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1),
+     "chunked attention"),
+    ("Gemma3nTextConfig", dict(TINY, num_hidden_layers=4, num_kv_shared_layers=2, vocab_size_per_layer_input=128,
+                               hidden_size_per_layer_input=16, sliding_window=WINDOW,
+                               layer_types=["sliding_attention", "full_attention"] * 2), "shared across layers"),
+    ("MambaConfig", dict(hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8), "state-space"),
+    ("DiffLlamaConfig", TINY, "did not hand it"),
+], ids=["llama4_chunked", "gemma3n_shared_kv", "mamba", "diffllama"])
+def test_what_per_head_rows_cannot_serve_is_refused_at_construction(cls_name, kw, why):
+    assert why in _refused(cls_name, **kw)
 
 
 # ── crop, as DynamicCache crops ──

@@ -380,7 +380,10 @@ def probe(model) -> ModelShape:
     except ConfigError as exc:
         raise _refuse(model, str(exc).removeprefix("KvregCache: ")) from exc
     except Exception as exc:
-        raise _refuse(model, f"its forward needs what a per-head key/value cache does not hold "
+        # The probe's two forwards run the model the way generate will with
+        # this cache; whatever stops them (state the cache does not keep, a
+        # mask the model reshapes itself) would stop generate too.
+        raise _refuse(model, f"its forward failed on a two-step probe through a per-head key/value cache "
                              f"({type(exc).__name__}: {exc})") from exc
     finally:
         _local.mask_windows = None
