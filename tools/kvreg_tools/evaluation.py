@@ -192,6 +192,20 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def forward_kwargs(model, cache) -> dict:
+    """A forward's keywords that feed ``cache`` and, where the model takes
+    ``logits_to_keep``, compute the last position's logits only: a
+    prefill's logits for every position are vocabulary × tokens floats
+    (gigabytes for a 262k vocabulary at thousands of tokens), and only the
+    last is read."""
+    import inspect
+
+    kw = {cache_keyword(model): cache}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1
+    return kw
+
+
 def _make_cache(cfg: CacheConfig, model, tokens: int, backend):
     if cfg.kind == "dynamic":
         from transformers import DynamicCache
@@ -248,7 +262,6 @@ def warm(model, ids, prefix: int, configs: list[CacheConfig], backend) -> float:
     once per machine) or loads them from disk. Returns the seconds taken."""
     import torch
 
-    kw = cache_keyword(model)
     t0 = time.perf_counter()
     _say(f"kvreg eval: preparing {len(configs)} configs: the first decode of each compiles its kernels "
          "(minutes on a machine that never ran them; loaded from numba's disk cache after)")
@@ -258,7 +271,7 @@ def warm(model, ids, prefix: int, configs: list[CacheConfig], backend) -> float:
             t = time.perf_counter()
             cache = _make_cache(cfg, model, int(ids.shape[1]), backend)
             for feed in (ids[:, :prefix], ids[:, prefix:prefix + 1], ids[:, prefix + 1:prefix + 2]):
-                model(input_ids=feed, use_cache=True, **{kw: cache})
+                model(input_ids=feed, use_cache=True, **forward_kwargs(model, cache))
             _say(f" {time.perf_counter() - t:.1f} s")
     return time.perf_counter() - t0
 
@@ -278,7 +291,7 @@ def evaluate(model, tokenizer, text: str, configs: list[CacheConfig], *, tokens:
     runs = [REFERENCE] + list(configs)
     warm(model, ids, prefix, runs, backend)
     caches = [_make_cache(c, model, n, backend) for c in runs]
-    kw = cache_keyword(model)
+    step_kw = [forward_kwargs(model, cache) for cache in caches]
     scored = n - prefix
     kl = np.zeros((len(runs), scored))
     agree = np.zeros((len(runs), scored), dtype=bool)
@@ -297,7 +310,7 @@ def evaluate(model, tokenizer, text: str, configs: list[CacheConfig], *, tokens:
             ref_logp = None
             for i, cache in enumerate(caches):
                 t0 = time.perf_counter()
-                logits = model(input_ids=feed, use_cache=True, **{kw: cache}).logits[0, -1]
+                logits = model(input_ids=feed, use_cache=True, **step_kw[i]).logits[0, -1]
                 if step:
                     seconds[i] += time.perf_counter() - t0
                 held[i, step] = held_bytes(cache)
