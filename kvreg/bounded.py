@@ -674,5 +674,5 @@ class RingSlot:
             return
         self.ring.state.restore(snap)
         lay = self._layer
-        lay._seq_len = self.ring.state.seen
+        lay.seq_len = self.ring.state.seen
         lay.storage.renew_generation()

@@ -41,6 +41,23 @@ def window_cut(pos_len: int, base: int, keep: int, align: int, anchor: int | Non
     return max(new_base - base, 0)
 
 
+def sliding_slack(window: int) -> int:
+    """Rows a drop-in sliding layer may hold beyond ``window - 1`` before it
+    is trimmed: ``window // 32``, so it holds about 3% more than
+    ``DynamicCache``'s and the trim's copy costs about 32 rows per token."""
+    return max(1, window // 32)
+
+
+def sliding_trim(rows: int, window: int, align: int = 1) -> int:
+    """How many front rows a drop-in sliding layer holding ``rows`` drops
+    after a step: none within ``window - 1 + sliding_slack(window)``, then
+    the most whole multiples of ``align`` (a blocked mode's block, so a trim
+    requantizes nothing) that leave at least ``window - 1``."""
+    if rows <= window - 1 + sliding_slack(window):
+        return 0
+    return (rows - (window - 1)) // align * align
+
+
 def observed_mass(q: np.ndarray, k: np.ndarray, scale: float, pool: int = 1) -> np.ndarray:
     """SnapKV's score of each stored row, per KV group: the attention
     probabilities that the prompt's last ``n`` queries ``q [n, nh, hd]``

@@ -56,8 +56,9 @@ How it fits transformers (5.x):
   or the seal drop: RoPE positions stay absolute.
 - Sliding layers (Gemma 3): attended with kvreg's ``window`` and trimmed to
   the newest ``window - 1`` rows (what ``DynamicCache``'s sliding layers keep
-  between steps) once they exceed that by :func:`sliding_slack` rows; a
-  blocked mode (``q2``) trims whole blocks, so a trim requantizes nothing.
+  between steps) once they exceed that by ``window // 32`` rows
+  (:func:`kvreg.eviction.sliding_trim`); a blocked mode (``q2``) trims whole
+  blocks, so a trim requantizes nothing.
   Global layers keep everything unless a budget is set.
 - Eviction at a budget (``budget=N``): after each step a global layer holding
   more than ``N`` rows keeps ``N``: ``EvictionPolicy.Born(sink)`` keeps the
@@ -103,6 +104,7 @@ from .. import _validate as V
 from ..batch import attend_batch
 from ..cache import Born, KvCache, Snap, check_policy, resident_bytes
 from ..errors import ConfigError, ShapeError
+from ..eviction import sliding_slack, sliding_trim
 from ..layer import LayerKvCache
 from ..lifecycle import Lifecycle
 from ..modes import Q8_EXACT_ROWS, KvMode
@@ -144,13 +146,6 @@ SUPPORTED = {
     "bert": "BERT run as a decoder (is_decoder=True): absolute positions, post-norm",
     "phimoe": "Phi-3.5-MoE: a sliding window its masks apply",
 }
-
-
-def sliding_slack(window: int) -> int:
-    """Rows a sliding layer may hold beyond ``window - 1`` before it is
-    trimmed: ``window // 32``, so it holds about 3% more than
-    ``DynamicCache``'s and the trim's copy costs about 32 rows per token."""
-    return max(1, window // 32)
 
 
 def kvreg_attention_forward(module, query, key, value, attention_mask, **kwargs):
@@ -741,11 +736,9 @@ class KvregCache(R.RoutedCache):
     def _bound(self, layer, window: int | None) -> None:
         rows = layer.seq_len
         if window is not None:
-            if rows > window - 1 + sliding_slack(window):
-                align = layer.storage.drop_align    # whole q2 blocks: a trim requantizes nothing
-                drop = (rows - (window - 1)) // align * align
-                if drop:
-                    layer.evict(rows - drop)
+            drop = sliding_trim(rows, window, layer.storage.drop_align)
+            if drop:
+                layer.evict(rows - drop)
         elif self.budget is not None and rows > self.budget:
             keep = self.budget
             if isinstance(self.policy, Born):

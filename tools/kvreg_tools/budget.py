@@ -71,15 +71,13 @@ class Geometry:
 
     def _sliding_rows(self, w: int, align: int = 1) -> list[int]:
         """A sliding layer's rows after the prefill and after each decode
-        step: trimmed toward ``w - 1`` by a multiple of ``align`` rows whenever
-        it holds more than ``w - 1 + sliding_slack(w)`` (the drop-in's rule)."""
-        from kvreg.integrations.transformers import sliding_slack
+        step, trimmed by the drop-in's rule (:func:`kvreg.eviction.sliding_trim`)."""
+        from kvreg.eviction import sliding_trim
 
         rows, held = [], self.prefix
         for step in range(self.tokens - self.prefix + 1):
             held += step > 0
-            if held > w - 1 + sliding_slack(w):
-                held -= (held - (w - 1)) // align * align
+            held -= sliding_trim(held, w, align)
             rows.append(held)
         return rows
 

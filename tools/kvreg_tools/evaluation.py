@@ -269,9 +269,9 @@ def warm(model, ids, prefix: int, configs: list[CacheConfig], backend) -> float:
         for cfg in configs:
             _say(f"  compiling / loading the kernels of {cfg.label} ...", end="")
             t = time.perf_counter()
-            cache = _make_cache(cfg, model, int(ids.shape[1]), backend)
+            kw = forward_kwargs(model, _make_cache(cfg, model, int(ids.shape[1]), backend))
             for feed in (ids[:, :prefix], ids[:, prefix:prefix + 1], ids[:, prefix + 1:prefix + 2]):
-                model(input_ids=feed, use_cache=True, **forward_kwargs(model, cache))
+                model(input_ids=feed, use_cache=True, **kw)
             _say(f" {time.perf_counter() - t:.1f} s")
     return time.perf_counter() - t0
 

@@ -237,7 +237,7 @@ class _Runner:
     def _forward(self, clock: _Clock, ids):
         import torch
 
-        from kvreg_tools.evaluation import cache_keyword
+        from kvreg_tools.evaluation import forward_kwargs
 
         self.model.set_attn_implementation(self.attn)
         if torch.get_num_threads() != clock.torch_threads:
@@ -246,12 +246,12 @@ class _Runner:
             # then uses: hold torch to the count the run started with.
             clock.thread_resets.append((self.cfg.name, torch.get_num_threads()))
             torch.set_num_threads(clock.torch_threads)
-        kw = {cache_keyword(self.model): self.cache}
+        kw = forward_kwargs(self.model, self.cache)
         clock.take()
         clock.calls = 0
         with torch.no_grad(), _instrumented(clock, self.cache):
             t0 = time.perf_counter_ns()
-            logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits
+            logits = self.model(input_ids=ids, use_cache=True, **kw).logits
             tok = logits[:, -1].argmax(-1, keepdim=True)
             total = time.perf_counter_ns() - t0
         update_ns, fn_ns, store_ns = clock.take()
