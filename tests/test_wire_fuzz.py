@@ -9,7 +9,7 @@ matches: an exporter's own fault, which reaches every field check and the
 install), and hand-built records that claim what their bytes do not carry
 (positions without rows, huge per-row shapes). Every import must raise
 nothing but WireError, leave its target exactly as it was when it refuses,
-install whole when it does not, and cost at most a second and a small
+install whole when it does not, and cost at most a CPU second and a small
 multiple of its buffer; a record or container kvreg sealed must refuse
 every change in transit. The default tier runs a few hundred blobs; the
 ``long_fuzz`` tier runs more than 100,000."""
@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import functools
 import struct
-import time
-import tracemalloc
 import zlib
 
 import numpy as np
 import pytest
+from cpu_cost import measured, settled
 
 from kvreg import KvCache, KvMode, LayerKvCache, WireError
 from kvreg.modes import Q8_EXACT_ROWS
@@ -37,6 +36,7 @@ EDGE_U64 = [0, 1, 2**26, 2**32 - 1, 2**53, 2**53 + 1, 2**64 - 1]
 #: plus the fixed allocation of the layers it builds.
 MEMORY_MULTIPLE = 16
 FIXED_BYTES = 1 << 20
+#: CPU seconds an import may cost, refused or accepted.
 SECONDS = 1.0
 
 
@@ -180,22 +180,14 @@ def cache_state(c):
 
 def attempt(target, blob, state, twin, must_refuse, why):
     """Import ``blob``: WireError and nothing changed, or whole; within the
-    second and the memory bound either way."""
+    CPU second and the memory bound either way."""
     before = state(target)
-    tracemalloc.start()
-    t0 = time.perf_counter()
-    try:
-        target.import_wire(blob)
-        accepted = True
-    except WireError:
-        accepted = False
-    except Exception as e:   # noqa: BLE001  (the failure this fuzz exists for)
-        raise AssertionError(f"{why}: {type(e).__name__}: {e} for blob {blob[:96].hex()}...") from e
-    finally:
-        dt = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert dt < SECONDS, f"{why}: import took {dt:.2f} s for a {len(blob)}-byte blob"
+    dt, peak, error = measured(lambda: target.import_wire(blob))
+    if error is not None and not isinstance(error, WireError):   # the failure this fuzz exists for
+        raise AssertionError(f"{why}: {type(error).__name__}: {error} for blob {blob[:96].hex()}...") from error
+    accepted = error is None
+    dt = settled(dt, SECONDS, lambda: target.import_wire(blob))
+    assert dt < SECONDS, f"{why}: import took {dt:.2f} CPU s for a {len(blob)}-byte blob"
     assert peak < MEMORY_MULTIPLE * len(blob) + FIXED_BYTES, f"{why}: {peak} bytes traced for {len(blob)}"
     if not accepted:
         assert state(target) == before, f"{why}: a refused import changed its target"
@@ -329,18 +321,21 @@ def with_record(blob, j, record):
 
 
 def load_attempt(engine, meta, blob, must_refuse, why):
-    """A decode worker's load: WireError and nothing kept, or the state."""
-    t0 = time.perf_counter()
-    try:
+    """A decode worker's load: WireError and nothing kept, or the state;
+    within the CPU second either way."""
+    def load():
         engine.load(meta, blob)
-    except WireError:
-        assert meta.request_id not in engine._seqs, why
-    except Exception as e:   # noqa: BLE001
-        raise AssertionError(f"{why}: {type(e).__name__}: {e}") from e
-    else:
+        engine.release(meta.request_id)
+
+    dt, _, error = measured(lambda: engine.load(meta, blob))
+    if error is None:
         assert not must_refuse, f"{why}: a state changed in transit was loaded"
         engine.release(meta.request_id)
-    assert time.perf_counter() - t0 < SECONDS, why
+    elif isinstance(error, WireError):
+        assert meta.request_id not in engine._seqs, why
+    else:
+        raise AssertionError(f"{why}: {type(error).__name__}: {error}") from error
+    assert settled(dt, SECONDS, load) < SECONDS, why
 
 
 def run_hosts(model, rng, count, hand_modes=HOST_MODES):
