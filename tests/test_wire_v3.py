@@ -480,13 +480,19 @@ def test_refuses_other_geometry():
 
 
 def test_a_v2_only_peer_refuses_a_v3_record_by_its_version():
-    # The v2 codec as it was before v3 (git history): a peer that predates
-    # v3 refuses the record cleanly instead of misreading it.
+    # The v2 codec as it was before v3, from git history (the parent of the
+    # commit that added v3): a peer that predates v3 refuses the record
+    # cleanly instead of misreading it.
     root = pathlib.Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, check=True,
+                              timeout=60).stdout.decode()
     try:
-        src = subprocess.run(["git", "-C", str(root), "show", "ba5a693:kvreg/wire.py"], capture_output=True,
-                             check=True, timeout=30).stdout.decode()
-    except (OSError, subprocess.SubprocessError):
+        v3_added = git("log", "--reverse", "--format=%H", "-S", "WIRE_VERSION_STORAGE = 3", "--",
+                       "kvreg/wire.py").split()[0]
+        src = git("show", f"{v3_added}^:kvreg/wire.py")
+    except (OSError, IndexError, subprocess.SubprocessError):
         pytest.skip("no git history to load the v2-only codec from")
     old = types.ModuleType("kvreg_wire_v2_peer")
     sys.modules[old.__name__] = old
