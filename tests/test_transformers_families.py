@@ -400,8 +400,7 @@ def test_alibi_and_hybrid_models_are_refused_at_construction():
     assert "hybrid" in why
 
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=128)
+TINY = dict(COMMON, num_hidden_layers=2)
 
 
 @pytest.mark.model_families

@@ -174,5 +174,6 @@ def main(argv=None):
                      f"  opencl/numba wall {t_cl/t_nb:5.2f}x cpu {cpu[0]/cpu[1]:5.2f}x  maxrel {rel:.1e}")
         print(line, flush=True)
 
+
 if __name__ == "__main__":
     main()

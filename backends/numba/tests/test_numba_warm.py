@@ -11,4 +11,3 @@ def test_the_warm_up_runs_every_mode_split_over_two_processes(capsys):
     assert warm.main(["--jobs", "2"]) == 0
     out = capsys.readouterr().out
     assert "(2 processes;" in out and "kernels compiled and cached" in out
-
